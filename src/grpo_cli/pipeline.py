@@ -1,0 +1,226 @@
+"""The training loop, top to bottom: prompts -> sample -> reward -> advantage -> update -> log
+-> checkpoint. Every stage is a module of its own; this file only calls them in order.
+
+`run(cfg)` takes a composed config (Hydra's, or OmegaConf.structured(Config) in code) whose
+`trainer.output_dir` is set, and returns the run's result for callers and tests.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Optional
+
+import numpy as np
+import torch
+from omegaconf import OmegaConf
+
+from grpo_cli.advantages import group_advantages
+from grpo_cli.checkpoint import latest_checkpoint, load_trainer_state, save_checkpoint, set_rng_state
+from grpo_cli.config import ConfigError, resume_mode, validate
+from grpo_cli.logs import RunLogger, window_mean
+from grpo_cli.models import Models, load_models, resolve_device, trainable_parameters
+from grpo_cli.optim import make_optimizer, make_scheduler
+from grpo_cli.prompts import PromptSource, batches, load_eval_rows
+from grpo_cli.records import Advantages, Rewards, Rollout, UpdateStats
+from grpo_cli.rewards.api import RewardScorer
+from grpo_cli.sampling import make_sampler
+from grpo_cli.update import update_policy
+
+EVAL_BATCH = 64  # eval prompts per greedy generate call
+
+
+@dataclass
+class RunResult:
+    output_dir: Path
+    steps_done: int
+    eval_before: Optional[float]
+    eval_after: Optional[float]
+    last_checkpoint: Optional[Path]
+
+
+def run(cfg: Any) -> RunResult:
+    validate(cfg)
+    trainer = cfg.trainer
+    if not trainer.output_dir:
+        raise ConfigError("trainer.output_dir is not set: give the folder the run writes to.")
+    output_dir = Path(trainer.output_dir)
+    output_dir.mkdir(parents=True, exist_ok=True)
+    resume_from = find_resume_checkpoint(trainer.resume, output_dir)
+
+    seed_everything(trainer.seed)
+    device = resolve_device(trainer.device)
+    models = load_models(cfg.model, trainer.beta, device, checkpoint=str(resume_from) if resume_from else None)
+    prompts = PromptSource(cfg.data, models.tokenizer)
+    eval_rows = load_eval_rows(cfg.data)
+    sampler = make_sampler(cfg.sampler, models.tokenizer)
+    scorer = RewardScorer(cfg.reward.functions)
+    optimizer = make_optimizer(cfg.optimizer, trainable_parameters(models.policy))
+    scheduler = make_scheduler(cfg.optimizer, optimizer, trainer.steps * trainer.num_iterations)
+    start_step = 0
+    if resume_from is not None:
+        state = load_trainer_state(resume_from)
+        optimizer.load_state_dict(state["optimizer"])
+        scheduler.load_state_dict(state["scheduler"])
+        prompts.load_state_dict(state["data"])
+        set_rng_state(state["rng"])
+        start_step = int(state["step"])
+    OmegaConf.save(cfg, output_dir / "config.yaml", resolve=True)
+
+    log = RunLogger(output_dir, trainer.steps, start_step, trainer.log_every)
+    if resume_from is not None:
+        log.print(f"Resuming from {resume_from} (step {start_step}).")
+    started = time.perf_counter()
+    eval_before = None
+    if eval_rows and start_step == 0:
+        before = evaluate(models, sampler, prompts, scorer, eval_rows)
+        eval_before = before["eval/accuracy"]
+        log.print(f"Greedy eval before training: accuracy {eval_before:.3f} on {len(eval_rows)} prompts")
+        log.log_step(0, before)  # row 0 of metrics.jsonl: the starting point of every curve
+
+    last_checkpoint, eval_after, step = None, None, start_step
+    for step in range(start_step + 1, trainer.steps + 1):
+        # Sampling randomness is a function of (seed, step) alone, so a resumed run draws
+        # exactly what an unbroken one would have.
+        torch.manual_seed(trainer.seed * 1_000_003 + step)
+        step_started = time.perf_counter()
+        batch = prompts.next_batch()
+        rollout = sampler.sample(models.policy, batch)
+        sampled = time.perf_counter()
+        rewards = scorer.score(rollout)
+        scored = time.perf_counter()
+        advantages = group_advantages(rewards.total, trainer.std_eps, trainer.std_threshold)
+        stats = update_policy(
+            models, rollout, advantages, optimizer, scheduler, trainer, cfg.optimizer.max_grad_norm
+        )
+        updated = time.perf_counter()
+
+        metrics = step_metrics(rollout, rewards, advantages, stats, trainer.beta, scheduler.get_last_lr()[0])
+        metrics.update({
+            "time/sample": sampled - step_started,
+            "time/reward": scored - sampled,
+            "time/update": updated - scored,
+            "time/step": updated - step_started,
+            "tokens_per_second": int(rollout.completion_mask.sum()) / max(sampled - step_started, 1e-9),
+        })
+        final = step == trainer.steps
+        if eval_rows and (final or (trainer.eval_every and step % trainer.eval_every == 0)):
+            metrics.update(evaluate(models, sampler, prompts, scorer, eval_rows))
+            eval_after = metrics["eval/accuracy"]
+        for name, why in rewards.errors.items():
+            log.print(f"[yellow]step {step}: reward function {name} failed ({why}); scored as None")
+        log.log_step(step, metrics)
+
+        if final or (trainer.checkpoint_every and step % trainer.checkpoint_every == 0):
+            last_checkpoint = save_checkpoint(
+                output_dir, step, models.policy, models.tokenizer,
+                trainer_state={
+                    "optimizer": optimizer.state_dict(),
+                    "scheduler": scheduler.state_dict(),
+                    "data": prompts.state_dict(),
+                },
+                meta={"reward_mean": metrics["reward/mean"], "kl": metrics["kl"], "beta": trainer.beta},
+                keep_last=trainer.keep_last,
+            )
+    log.close()
+    summarize(log, step - start_step, time.perf_counter() - started, eval_before, eval_after,
+              last_checkpoint, output_dir)
+    return RunResult(output_dir, step, eval_before, eval_after, last_checkpoint)
+
+
+def find_resume_checkpoint(resume: Any, output_dir: Path) -> Optional[Path]:
+    mode = resume_mode(resume)
+    if mode is None:
+        return None
+    if mode == "latest":
+        found = latest_checkpoint(output_dir)
+        if found is None:
+            raise ConfigError(
+                f"trainer.resume=true, but {output_dir}/checkpoints holds no complete checkpoint. "
+                "Point the run at the old run's folder (hydra.run.dir=... or trainer.output_dir=...), "
+                "or give a checkpoint folder: trainer.resume=PATH."
+            )
+        return found
+    return Path(mode)
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def step_metrics(rollout: Rollout, rewards: Rewards, advantages: Advantages, stats: UpdateStats,
+                 beta: float, lr: float) -> dict[str, float]:
+    lengths = rollout.completion_mask.sum(dim=1).float()
+    metrics = {
+        "reward/mean": rewards.total.mean().item(),
+        "reward/std": rewards.total.std().item(),
+    }
+    for name, values in rewards.per_function.items():
+        metrics[f"reward/{name}/mean"] = _nan_to_none(torch.nanmean(values).item())
+        metrics[f"reward/{name}/errors"] = int(name in rewards.errors)
+    metrics.update({
+        "advantage/std": advantages.values.std().item(),
+        "advantage/zero_std_fraction": advantages.zero_std_groups.float().mean().item(),
+        "loss": stats.loss,
+        "kl": stats.kl,
+        "clip_fraction": stats.clip_fraction,
+        "entropy": stats.entropy,
+        "grad_norm": stats.grad_norm,
+        "skipped_updates": stats.skipped_steps,
+        "completion/length_mean": lengths.mean().item(),
+        "completion/length_max": int(lengths.max().item()),
+        "completion/truncated_fraction": rollout.truncated.float().mean().item(),
+        "lr": lr,
+        "beta": beta,
+    })
+    return metrics
+
+
+def _nan_to_none(value: float) -> Optional[float]:
+    return None if value != value else value
+
+
+def evaluate(models: Models, sampler, prompts: PromptSource, scorer: RewardScorer,
+             rows: list[dict[str, Any]]) -> dict[str, float]:
+    """Greedy completions for the eval prompts, scored by the configured rewards.
+
+    `eval/accuracy` is the mean score of the first reward function (by convention the task's
+    correctness reward); `eval/<name>` the mean of each, `eval/reward` of the weighted total.
+    """
+    per_function: dict[str, list[float]] = {name: [] for name in scorer.names}
+    totals: list[float] = []
+    for chunk in batches(rows, EVAL_BATCH):
+        batch = prompts.make_batch(chunk)
+        completions = sampler.greedy(models.policy, batch)
+        scored = scorer.score_texts(batch.texts, completions, batch.columns, (len(chunk),))
+        totals += scored.total.tolist()
+        for name, values in scored.per_function.items():
+            per_function[name] += torch.nan_to_num(values, nan=0.0).tolist()
+    metrics = {f"eval/{name}": sum(v) / len(v) for name, v in per_function.items()}
+    metrics["eval/reward"] = sum(totals) / len(totals)
+    metrics["eval/accuracy"] = metrics[f"eval/{scorer.names[0]}"]
+    return metrics
+
+
+def summarize(log: RunLogger, steps: int, seconds: float, eval_before: Optional[float],
+              eval_after: Optional[float], last_checkpoint: Optional[Path], output_dir: Path) -> None:
+    window = max(1, min(50, len(log.history) // 10 or 1))
+    first = window_mean(log.history, "reward/mean", first=True, size=window)
+    last = window_mean(log.history, "reward/mean", first=False, size=window)
+    rows = {
+        "steps this run": str(steps),
+        "time": f"{seconds:.1f} s ({seconds / max(steps, 1):.2f} s/step)",
+    }
+    if first is not None and last is not None:
+        rows[f"sampled reward, first vs last {window} steps"] = f"{first:.3f} -> {last:.3f}"
+    if eval_before is not None or eval_after is not None:
+        before = "-" if eval_before is None else f"{eval_before:.3f}"
+        after = "-" if eval_after is None else f"{eval_after:.3f}"
+        rows["greedy eval accuracy, before -> after"] = f"{before} -> {after}"
+    rows["run folder"] = str(output_dir)
+    rows["last checkpoint"] = str(last_checkpoint) if last_checkpoint else "none"
+    log.summary(rows)

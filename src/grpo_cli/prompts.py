@@ -1,0 +1,207 @@
+"""Stage 1, prompt loading: rows from a file or a built-in task, formatted, batched, resumable.
+
+Rows come from JSONL, JSON (a list of objects, or {"data": [...]}), Parquet or CSV, or from a
+built-in synthetic task (`synthetic:addition`). Each step takes the next `prompts_per_step` rows
+of an epoch order that is a fixed function of (data.seed, epoch), so the data position is two
+integers and resume continues with exactly the prompts a run without a stop would have seen.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import random
+from pathlib import Path
+from typing import Any, Iterable
+
+from grpo_cli.config import ConfigError, DataConfig
+from grpo_cli.records import PromptBatch
+from grpo_cli.tasks import SYNTHETIC_TASKS, synthetic_task_name
+
+FILE_FORMATS = (".jsonl", ".json", ".parquet", ".csv")
+
+
+def read_rows(path: str, limit: int | None = None) -> list[dict[str, Any]]:
+    """All rows (or the first `limit`) of a data file as dicts; ConfigError naming the file if unreadable."""
+    file = Path(path)
+    suffix = file.suffix.lower()
+    if suffix not in FILE_FORMATS:
+        raise ConfigError(
+            f"Data file {path}: unknown format '{suffix}'. Use one of {', '.join(FILE_FORMATS)}, or "
+            f"a built-in task ({', '.join('synthetic:' + n for n in SYNTHETIC_TASKS)})."
+        )
+    if not file.is_file():
+        raise ConfigError(f"Data file {path} does not exist. Check data.path / data.eval_path.")
+    try:
+        rows = list(_iter_rows(file, suffix, limit))
+    except (ValueError, OSError, UnicodeDecodeError) as error:
+        raise ConfigError(f"Data file {path} could not be read as {suffix[1:]}: {error}") from error
+    bad = next((i for i, row in enumerate(rows) if not isinstance(row, dict)), None)
+    if bad is not None:
+        raise ConfigError(f"Data file {path}: record {bad + 1} is not an object with named fields.")
+    if not rows:
+        raise ConfigError(f"Data file {path} holds no records.")
+    return rows
+
+
+def _iter_rows(file: Path, suffix: str, limit: int | None) -> Iterable[Any]:
+    if suffix == ".jsonl":
+        with file.open(encoding="utf-8") as handle:
+            count = 0
+            for number, line in enumerate(handle, start=1):
+                if not line.strip():
+                    continue
+                if limit is not None and count >= limit:
+                    return
+                try:
+                    yield json.loads(line)
+                except json.JSONDecodeError as error:
+                    raise ValueError(f"line {number} is not valid JSON ({error.msg})") from None
+                count += 1
+    elif suffix == ".json":
+        data = json.loads(file.read_text(encoding="utf-8"))
+        if isinstance(data, dict) and isinstance(data.get("data"), list):
+            data = data["data"]
+        if not isinstance(data, list):
+            raise ValueError('expected a list of objects, or {"data": [...]}')
+        yield from data[:limit]
+    elif suffix == ".csv":
+        # utf-8-sig: spreadsheet programs often start CSV files with a byte-order mark.
+        with file.open(encoding="utf-8-sig", newline="") as handle:
+            for index, row in enumerate(csv.DictReader(handle)):
+                if limit is not None and index >= limit:
+                    return
+                yield row
+    else:
+        import pyarrow.parquet as parquet
+
+        table = parquet.read_table(file)
+        yield from (table.slice(0, limit) if limit is not None else table).to_pylist()
+
+
+def load_rows(path: str) -> list[dict[str, Any]]:
+    task = synthetic_task_name(path)
+    if task is not None:
+        if task not in SYNTHETIC_TASKS:
+            raise ConfigError(_unknown_task(path))
+        return SYNTHETIC_TASKS[task][0]()
+    return read_rows(path)
+
+
+def load_eval_rows(data: DataConfig) -> list[dict[str, Any]]:
+    """The held-out prompts: data.eval_path, else the built-in task's eval draw, else none."""
+    if data.eval_path:
+        return load_rows(data.eval_path)[: data.eval_size]
+    task = synthetic_task_name(data.path)
+    if task is not None:
+        return SYNTHETIC_TASKS[task][1](data.eval_size, data.seed)
+    return []
+
+
+def _unknown_task(path: str) -> str:
+    return (
+        f"data.path={path}: no built-in task of that name; the built-in tasks are "
+        f"{', '.join('synthetic:' + name for name in SYNTHETIC_TASKS)}."
+    )
+
+
+def data_problems(data: DataConfig) -> list[str]:
+    """The data checks of `validate`: files exist and parse, and the named fields are there."""
+    problems = []
+    for key, path in (("data.path", data.path), ("data.eval_path", data.eval_path)):
+        if not path:
+            continue
+        task = synthetic_task_name(path)
+        try:
+            first = load_rows(path)[0] if task is not None else read_rows(path, limit=1)[0]
+        except ConfigError as error:
+            problems.append(str(error) if task is not None else f"{key}: {error}")
+            continue
+        for field_key in ("prompt_field", "answer_field"):
+            name = getattr(data, field_key)
+            if name not in first:
+                problems.append(
+                    f"data.{field_key}={name!r} is not a field of {path}; its first record has "
+                    f"{', '.join(map(repr, first)) or 'no fields'}."
+                )
+    return problems
+
+
+def format_prompt(tokenizer, text: str, system_prompt: str | None, use_chat_template: bool) -> str:
+    if use_chat_template:
+        messages = [{"role": "system", "content": system_prompt}] if system_prompt else []
+        messages.append({"role": "user", "content": text})
+        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    return f"{system_prompt}\n\n{text}" if system_prompt else text
+
+
+def wants_chat_template(setting: str, tokenizer) -> bool:
+    setting = str(setting).lower()
+    if setting == "auto":
+        return bool(getattr(tokenizer, "chat_template", None))
+    if setting == "true" and not getattr(tokenizer, "chat_template", None):
+        raise ConfigError(
+            "data.use_chat_template=true, but the tokenizer has no chat template. Set it to "
+            "false (plain prompts) or use a model folder whose tokenizer defines one."
+        )
+    return setting == "true"
+
+
+class PromptSource:
+    """Hands out PromptBatch after PromptBatch, epoch after epoch, in a resumable order."""
+
+    def __init__(self, data: DataConfig, tokenizer, rows: list[dict[str, Any]] | None = None):
+        self.data = data
+        self.tokenizer = tokenizer
+        self.rows = rows if rows is not None else load_rows(data.path)
+        self.chat = wants_chat_template(data.use_chat_template, tokenizer)
+        self.epoch = 0
+        self.position = 0  # rows of the current epoch already handed out
+        self._order = self._epoch_order(self.epoch)
+
+    def _epoch_order(self, epoch: int) -> list[int]:
+        order = list(range(len(self.rows)))
+        if self.data.shuffle:
+            random.Random(f"{self.data.seed}-{epoch}").shuffle(order)
+        return order
+
+    def next_batch(self) -> PromptBatch:
+        picked = []
+        while len(picked) < self.data.prompts_per_step:
+            if self.position == len(self._order):
+                self.epoch, self.position = self.epoch + 1, 0
+                self._order = self._epoch_order(self.epoch)
+            picked.append(self.rows[self._order[self.position]])
+            self.position += 1
+        return self.make_batch(picked)
+
+    def make_batch(self, rows: list[dict[str, Any]]) -> PromptBatch:
+        data = self.data
+        texts = [
+            format_prompt(self.tokenizer, str(row[data.prompt_field]), data.system_prompt, self.chat)
+            for row in rows
+        ]
+        # A chat template already writes the model's special tokens itself.
+        encoded = self.tokenizer(
+            texts, return_tensors="pt", padding=True, add_special_tokens=not self.chat
+        )
+        columns = {key: [row.get(key) for row in rows] for key in rows[0] if key != data.prompt_field}
+        columns["answer"] = [row.get(data.answer_field) for row in rows]
+        return PromptBatch(
+            texts=texts,
+            input_ids=encoded["input_ids"],
+            attention_mask=encoded["attention_mask"],
+            columns=columns,
+        )
+
+    def state_dict(self) -> dict[str, int]:
+        return {"epoch": self.epoch, "position": self.position}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.epoch, self.position = int(state["epoch"]), int(state["position"])
+        self._order = self._epoch_order(self.epoch)
+
+
+def batches(rows: list[dict[str, Any]], size: int) -> Iterable[list[dict[str, Any]]]:
+    for start in range(0, len(rows), size):
+        yield rows[start : start + size]

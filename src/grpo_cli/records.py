@@ -1,0 +1,67 @@
+"""The typed records that travel between the stages of one training step.
+
+Shapes use B = prompts in the step, G = group size, P = padded prompt length, T = completion
+length (at most sampler.max_new_tokens). Completion i of prompt b sits at row b * G + i.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+
+@dataclass
+class PromptBatch:
+    texts: list[str]  # [B] prompt texts after the chat template / system prompt
+    input_ids: torch.Tensor  # [B, P] left-padded
+    attention_mask: torch.Tensor  # [B, P] 1 for prompt tokens, 0 for left padding
+    columns: dict[str, list[Any]]  # each [B]: dataset fields (`answer`, ...) for the rewards
+
+    @property
+    def size(self) -> int:
+        return len(self.texts)
+
+
+@dataclass
+class Rollout:
+    prompt_ids: torch.Tensor  # [B*G, P] each prompt repeated G times
+    prompt_mask: torch.Tensor  # [B*G, P]
+    completion_ids: torch.Tensor  # [B*G, T] padded after EOS
+    completion_mask: torch.Tensor  # [B*G, T] 1 up to and including the first EOS
+    truncated: torch.Tensor  # [B*G] bool: no EOS within max_new_tokens
+    prompts: list[str]  # [B*G]
+    completions: list[str]  # [B*G] decoded, special tokens removed
+    columns: dict[str, list[Any]]  # each [B*G]
+    group_size: int
+
+    @property
+    def num_prompts(self) -> int:
+        return len(self.prompts) // self.group_size
+
+
+@dataclass
+class Rewards:
+    total: torch.Tensor  # [B, G] weighted sum over functions (a None counts as 0)
+    per_function: dict[str, torch.Tensor]  # name -> [B, G], NaN where the function returned None
+    errors: dict[str, str] = field(default_factory=dict)  # name -> why its call failed this step
+
+
+@dataclass
+class Advantages:
+    values: torch.Tensor  # [B*G] one advantage per completion, shared by all its tokens
+    zero_std_groups: torch.Tensor  # [B] bool: groups with no reward spread (A = 0)
+
+
+@dataclass
+class UpdateStats:
+    """Plain floats for logging, averaged over the micro-batches and iterations of one step."""
+
+    loss: float
+    kl: float  # mean per-token KL(pi || ref) estimate (k3); 0 when beta = 0
+    clip_fraction: float  # fraction of completion tokens whose ratio was clipped
+    entropy: float  # mean per-token entropy of the policy on its own completions
+    grad_norm: float  # global gradient norm before clipping (last optimizer step)
+    tokens: int  # completion tokens trained on
+    skipped_steps: int  # optimizer steps skipped because the gradient was not finite

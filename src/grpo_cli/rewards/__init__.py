@@ -1,0 +1,13 @@
+"""Stage 3, reward scoring. A reward function is any callable
+
+    fn(prompts: list[str], completions: list[str], **columns) -> list[float | None]
+
+where `columns` are the dataset's fields repeated per completion (`answer` is always there: the
+column named by data.answer_field). `None` means "no opinion" for that completion. Functions
+are named in config by `_target_` with a `weight` and their own keyword arguments; the built-in
+ones below are importable as `grpo_cli.rewards.<name>`.
+"""
+
+from grpo_cli.rewards.math import exact_match, math_accuracy
+
+__all__ = ["exact_match", "math_accuracy"]

@@ -1,0 +1,35 @@
+"""Stage 2, group sampling: G completions per prompt from the current policy.
+
+`make_sampler(cfg.sampler, tokenizer)` returns an object with `sample(policy, batch) -> Rollout`
+and `greedy(policy, batch) -> list[str]`. Today that is `HFSampler` (transformers' `generate`);
+a faster KV-cache sampler can slot in behind the same two methods.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from grpo_cli.config import SamplerConfig
+
+
+def completion_mask(completion_ids: torch.Tensor, eos_token_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Mask of the tokens that belong to each completion, and which ones never ended.
+
+    completion_ids: [N, T]. Returns (mask [N, T] long, 1 up to and including the first EOS;
+    truncated [N] bool, True where no EOS appears). Example with EOS = 9:
+        [[5, 9, 9],      ->  mask [[1, 1, 0],   truncated [False,
+         [5, 6, 7]]               [1, 1, 1]]               True]
+    """
+    is_eos = completion_ids == eos_token_id
+    # Number of EOS tokens strictly before each position: a token belongs to the completion
+    # while that count is still 0.
+    eos_before = torch.cumsum(is_eos.long(), dim=1) - is_eos.long()
+    mask = (eos_before == 0).long()
+    truncated = ~is_eos.any(dim=1)
+    return mask, truncated
+
+
+def make_sampler(cfg: SamplerConfig, tokenizer):
+    from grpo_cli.sampling.hf import HFSampler
+
+    return HFSampler(cfg, tokenizer)

@@ -1,0 +1,71 @@
+"""Group sampling with transformers' `generate`: every prompt repeated G times, one batched call."""
+
+from __future__ import annotations
+
+import torch
+
+from grpo_cli.config import SamplerConfig
+from grpo_cli.records import PromptBatch, Rollout
+from grpo_cli.sampling import completion_mask
+
+
+class HFSampler:
+    def __init__(self, cfg: SamplerConfig, tokenizer):
+        self.cfg = cfg
+        self.tokenizer = tokenizer
+
+    def _generate(self, policy, input_ids, attention_mask, **options) -> torch.Tensor:
+        """Completion ids [N, T] (T = max_new_tokens, EOS-padded past each completion's end)."""
+        device = next(policy.parameters()).device
+        was_training = policy.training
+        policy.eval()  # no dropout while sampling; also lets gradient checkpointing use the KV cache
+        try:
+            with torch.no_grad():
+                output = policy.generate(
+                    input_ids=input_ids.to(device),
+                    attention_mask=attention_mask.to(device),
+                    max_new_tokens=self.cfg.max_new_tokens,
+                    pad_token_id=self.tokenizer.pad_token_id,
+                    eos_token_id=self.tokenizer.eos_token_id,
+                    **options,
+                )
+        finally:
+            policy.train(was_training)
+        completions = output[:, input_ids.shape[1]:].cpu()
+        # generate stops early when every row has finished; pad to a fixed width for the update.
+        missing = self.cfg.max_new_tokens - completions.shape[1]
+        if missing > 0:
+            completions = torch.nn.functional.pad(completions, (0, missing), value=self.tokenizer.eos_token_id)
+        return completions
+
+    def sample(self, policy, batch: PromptBatch) -> Rollout:
+        group = self.cfg.group_size
+        prompt_ids = batch.input_ids.repeat_interleave(group, dim=0)  # [B*G, P]
+        prompt_mask = batch.attention_mask.repeat_interleave(group, dim=0)
+        completion_ids = self._generate(
+            policy,
+            prompt_ids,
+            prompt_mask,
+            do_sample=True,
+            temperature=self.cfg.temperature,
+            top_p=self.cfg.top_p,
+            top_k=self.cfg.top_k,  # 0 disables top-k (None would mean the model default, often 50)
+            min_new_tokens=self.cfg.min_new_tokens,
+        )
+        mask, truncated = completion_mask(completion_ids, self.tokenizer.eos_token_id)
+        return Rollout(
+            prompt_ids=prompt_ids,
+            prompt_mask=prompt_mask,
+            completion_ids=completion_ids,
+            completion_mask=mask,
+            truncated=truncated,
+            prompts=[text for text in batch.texts for _ in range(group)],
+            completions=self.tokenizer.batch_decode(completion_ids, skip_special_tokens=True),
+            columns={key: [v for v in values for _ in range(group)] for key, values in batch.columns.items()},
+            group_size=group,
+        )
+
+    def greedy(self, policy, batch: PromptBatch) -> list[str]:
+        """One greedy completion per prompt (for eval)."""
+        completion_ids = self._generate(policy, batch.input_ids, batch.attention_mask, do_sample=False)
+        return self.tokenizer.batch_decode(completion_ids, skip_special_tokens=True)

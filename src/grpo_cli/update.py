@@ -1,0 +1,116 @@
+"""Stage 5, the policy update: micro-batches, mu iterations, gradient clipping, optimizer step.
+
+One generation batch (B*G completions) is trained on `num_iterations` times (the paper's mu).
+Reference log-probs, and with mu > 1 the old policy's log-probs, are computed once before the
+first pass, so later passes see a real ratio pi_theta / pi_old and the clip can bite. Each pass
+accumulates gradients over micro-batches of `micro_batch_size` completions and ends in one
+optimizer step; a step whose gradient is not finite is skipped (never reaches the weights).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from grpo_cli.config import TrainerConfig
+from grpo_cli.losses import grpo_loss, token_entropy, token_log_probs
+from grpo_cli.models import Models, reference_model, trainable_parameters
+from grpo_cli.records import Advantages, Rollout, UpdateStats
+
+
+def completion_log_probs(
+    model: torch.nn.Module,
+    prompt_ids: torch.Tensor,  # [N, P]
+    prompt_mask: torch.Tensor,  # [N, P]
+    completion_ids: torch.Tensor,  # [N, T]
+    completion_mask: torch.Tensor,  # [N, T]
+    with_entropy: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """log pi(completion token | prompt, earlier tokens): [N, T], and optionally entropies [N, T]."""
+    input_ids = torch.cat([prompt_ids, completion_ids], dim=1)
+    attention_mask = torch.cat([prompt_mask, completion_mask], dim=1)
+    # Left padding: positions count real tokens only, as `generate` numbered them when sampling.
+    position_ids = (attention_mask.cumsum(dim=1) - 1).clamp(min=0)
+    length = completion_ids.shape[1]
+    logits = model(
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        position_ids=position_ids,
+        logits_to_keep=length + 1,  # the last prompt position predicts the first completion token
+        use_cache=False,
+    ).logits[:, :-1]  # [N, T, V]
+    log_probs = token_log_probs(logits, completion_ids)
+    entropy = None
+    if with_entropy:
+        with torch.no_grad():
+            entropy = token_entropy(logits)
+    return log_probs, entropy
+
+
+def update_policy(
+    models: Models,
+    rollout: Rollout,
+    advantages: Advantages,
+    optimizer: torch.optim.Optimizer,
+    scheduler: torch.optim.lr_scheduler.LRScheduler,
+    trainer: TrainerConfig,
+    max_grad_norm: float,
+) -> UpdateStats:
+    device, policy = models.device, models.policy
+    prompt_ids, prompt_mask = rollout.prompt_ids.to(device), rollout.prompt_mask.to(device)
+    completion_ids, mask = rollout.completion_ids.to(device), rollout.completion_mask.to(device)
+    advantage_values = advantages.values.to(device)
+    count = completion_ids.shape[0]
+    size = trainer.micro_batch_size or count
+    chunks = [slice(start, start + size) for start in range(0, count, size)]
+
+    def log_probs_of(model, chunk, with_entropy=False):
+        return completion_log_probs(
+            model, prompt_ids[chunk], prompt_mask[chunk], completion_ids[chunk], mask[chunk], with_entropy
+        )
+
+    policy.train()
+    with torch.no_grad():
+        reference = [None] * len(chunks)
+        if models.uses_kl:
+            with reference_model(models) as ref:
+                reference = [log_probs_of(ref, chunk)[0] for chunk in chunks]
+        old = [log_probs_of(policy, chunk)[0] for chunk in chunks] if trainer.num_iterations > 1 else None
+
+    parameters = trainable_parameters(policy)
+    totals = {"loss": 0.0, "kl_sum": 0.0, "clipped_tokens": 0.0, "tokens": 0.0, "entropy_sum": 0.0}
+    grad_norm, skipped = 0.0, 0
+    for _ in range(trainer.num_iterations):
+        optimizer.zero_grad(set_to_none=True)
+        for index, chunk in enumerate(chunks):
+            log_probs, entropy = log_probs_of(policy, chunk, with_entropy=True)
+            old_log_probs = old[index] if old is not None else log_probs.detach()
+            loss, metrics = grpo_loss(
+                log_probs, old_log_probs, reference[index], advantage_values[chunk], mask[chunk],
+                clip_eps=trainer.clip_eps, beta=trainer.beta, num_sequences=count,
+            )
+            loss.backward()
+            totals["loss"] += loss.item()
+            totals["entropy_sum"] += (entropy * mask[chunk]).sum().item()
+            for key, value in metrics.items():
+                totals[key] += float(value)
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(parameters, max_grad_norm or math.inf))
+        if not math.isfinite(grad_norm):
+            optimizer.zero_grad(set_to_none=True)
+            skipped += 1
+            continue
+        optimizer.step()
+        scheduler.step()
+
+    passes = trainer.num_iterations
+    tokens = max(totals["tokens"], 1.0)
+    return UpdateStats(
+        loss=totals["loss"] / passes,
+        kl=totals["kl_sum"] / tokens,
+        clip_fraction=totals["clipped_tokens"] / tokens,
+        entropy=totals["entropy_sum"] / tokens,
+        grad_norm=grad_norm,
+        tokens=int(totals["tokens"] / passes),
+        skipped_steps=skipped,
+    )

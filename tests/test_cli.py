@@ -1,0 +1,152 @@
+"""End to end through the real `grpo-train` entry point: run dir, metrics, checkpoints, resume,
+sweeps, LoRA, and clear errors for bad input."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from grpo_cli.logs import read_metrics
+from helpers import grpo_train
+
+# Small and quick: 4 prompts x G=4, 6 eval prompts.
+QUICK = ["data.prompts_per_step=4", "sampler.group_size=4", "data.eval_size=6", "trainer.log_every=1"]
+TIMING_KEYS = ("time/", "tokens_per_second")
+
+
+def comparable(row: dict) -> dict:
+    return {k: v for k, v in row.items() if not k.startswith(TIMING_KEYS)}
+
+
+@pytest.fixture(scope="module")
+def three_step_run(tmp_path_factory, tiny_model_dir):
+    run_dir = tmp_path_factory.mktemp("cli") / "run"
+    result = grpo_train(*QUICK, "trainer.steps=3", "trainer.checkpoint_every=2", "trainer.keep_last=5",
+                        f"hydra.run.dir={run_dir}")
+    return run_dir, result
+
+
+def test_run_dir_holds_config_metrics_and_checkpoints(three_step_run):
+    run_dir, result = three_step_run
+    assert "grpo-train summary" in result.stdout
+    assert (run_dir / "config.yaml").is_file() and (run_dir / ".hydra" / "overrides.yaml").is_file()
+    rows = read_metrics(run_dir)
+    assert [row["step"] for row in rows] == [0, 1, 2, 3]  # row 0: the greedy eval before training
+    required = [
+        "reward/mean", "reward/std", "reward/exact_match/mean", "advantage/std",
+        "advantage/zero_std_fraction", "kl", "clip_fraction", "loss", "entropy", "grad_norm",
+        "completion/length_mean", "completion/length_max", "completion/truncated_fraction", "lr",
+        "beta", "time/step", "time/sample", "time/reward", "time/update", "tokens_per_second",
+    ]
+    for row in rows[1:]:
+        missing = [key for key in required if key not in row]
+        assert not missing, f"step {row['step']} lacks {missing}"
+        assert 0.0 <= row["reward/mean"] <= 1.0 and row["kl"] >= 0.0
+        assert 1 <= row["completion/length_max"] <= 8
+    assert "eval/accuracy" in rows[0] and "eval/accuracy" in rows[-1]
+    checkpoints = sorted(p.name for p in (run_dir / "checkpoints").iterdir())
+    assert checkpoints == ["step-000002", "step-000003"]
+    assert list((run_dir / "tensorboard").glob("events.out.tfevents.*"))
+
+
+def test_checkpoint_is_a_loadable_hugging_face_folder(three_step_run):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    checkpoint = three_step_run[0] / "checkpoints" / "step-000003"
+    meta = json.loads((checkpoint / "meta.json").read_text())
+    assert meta["step"] == 3 and {"reward_mean", "kl", "beta"} <= set(meta)
+    model = AutoModelForCausalLM.from_pretrained(checkpoint)
+    tokenizer = AutoTokenizer.from_pretrained(checkpoint)
+    assert model.config.model_type == "qwen2" and tokenizer.eos_token == "<|endoftext|>"
+
+
+def test_resume_continues_step_counter_optimizer_and_metrics_exactly(three_step_run, tmp_path):
+    run_dir, _ = three_step_run
+    result = grpo_train(*QUICK, "trainer.steps=5", "trainer.checkpoint_every=2", "trainer.keep_last=5",
+                        "trainer.resume=true", f"hydra.run.dir={run_dir}")
+    assert "Resuming from" in result.stdout and "step-000003" in result.stdout
+    rows = read_metrics(run_dir)
+    assert [row["step"] for row in rows] == [0, 1, 2, 3, 4, 5]
+    state = torch.load(run_dir / "checkpoints" / "step-000005" / "trainer_state.pt", weights_only=False)
+    assert state["step"] == 5
+    adam_steps = {float(s["step"]) for s in state["optimizer"]["state"].values()}
+    assert adam_steps == {5.0}  # 3 steps before the stop + 2 after: the moments were restored
+    assert state["data"]["position"] == 5 * 4 % 100 and state["data"]["epoch"] == 0
+
+    # The same 5 steps without a stop: steps 4 and 5 must match exactly.
+    unbroken = tmp_path / "unbroken"
+    grpo_train(*QUICK, "trainer.steps=5", "trainer.checkpoint_every=0", f"hydra.run.dir={unbroken}")
+    expected = read_metrics(unbroken)
+    assert [comparable(r) for r in rows[4:]] == [comparable(r) for r in expected[4:]]
+
+
+def test_resume_from_a_given_checkpoint_folder(three_step_run, tmp_path):
+    checkpoint = three_step_run[0] / "checkpoints" / "step-000002"
+    result = grpo_train(*QUICK, "trainer.steps=3", f"trainer.resume={checkpoint}",
+                        f"hydra.run.dir={tmp_path / 'rollback'}")
+    assert "(step 2)" in result.stdout
+    assert [row["step"] for row in read_metrics(tmp_path / "rollback")] == [3]
+
+
+def test_multirun_sweep_writes_one_run_dir_per_job(tmp_path, tiny_model_dir):
+    sweep = tmp_path / "sweep"
+    grpo_train("-m", *QUICK, "trainer.beta=0.01,0.04", "sampler.group_size=2,4", "trainer.steps=2",
+               f"hydra.sweep.dir={sweep}")
+    jobs = sorted(p for p in sweep.iterdir() if p.is_dir() and (p / "metrics.jsonl").exists())
+    assert len(jobs) == 4
+    seen = set()
+    for job in jobs:
+        config = (job / "config.yaml").read_text()
+        rows = read_metrics(job)
+        assert [row["step"] for row in rows] == [0, 1, 2]
+        beta, group = rows[1]["beta"], ("group_size: 2" in config and 2) or 4
+        seen.add((beta, group))
+    assert seen == {(0.01, 2), (0.01, 4), (0.04, 2), (0.04, 4)}
+
+
+def test_lora_run_saves_a_peft_adapter_that_loads(tmp_path, tiny_model_dir):
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    run_dir = tmp_path / "lora"
+    grpo_train(*QUICK, "trainer.steps=2", "model.lora.enabled=true", "model.lora.r=4",
+               "optimizer.lr=1e-3", f"hydra.run.dir={run_dir}")
+    checkpoint = run_dir / "checkpoints" / "step-000002"
+    assert (checkpoint / "adapter_config.json").is_file()
+    assert not (checkpoint / "model.safetensors").exists()  # the adapter only, not the base
+    model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tiny_model_dir), checkpoint)
+    assert any("lora_A" in name for name, _ in model.named_parameters())
+    rows = read_metrics(run_dir)
+    assert rows[-1]["kl"] >= 0.0  # reference = the base with the adapter off
+
+
+def test_missing_model_fails_fast_with_a_clear_message(tmp_path):
+    result = grpo_train("model.name_or_path=Qwen/Qwen2.5-7B-Instruct", "trainer.steps=1",
+                        f"hydra.run.dir={tmp_path}", check=False)
+    assert result.returncode == 2
+    assert "model.name_or_path=Qwen/Qwen2.5-7B-Instruct" in result.stderr
+    assert "Traceback" not in result.stderr + result.stdout
+
+
+def test_math_7b_preset_without_its_files_names_what_is_missing(tmp_path):
+    result = grpo_train("conf=math_7b", f"hydra.run.dir={tmp_path}", check=False, cwd=tmp_path)
+    assert result.returncode == 2
+    assert "data/gsm8k/train.jsonl does not exist" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_bad_value_exits_2_naming_the_key(tmp_path):
+    result = grpo_train("sampler.group_size=1", f"hydra.run.dir={tmp_path}", check=False)
+    assert result.returncode == 2 and "sampler.group_size=1" in result.stderr
+
+
+def test_help_and_printing_the_composed_config():
+    help_text = grpo_train("--help").stdout
+    assert "grpo-train" in help_text and "conf: math_0.5b, math_7b, tiny" in help_text
+    printed = grpo_train("--cfg", "job", "conf=math_7b").stdout
+    assert "name_or_path: Qwen/Qwen2.5-7B-Instruct" in printed
+    completion = grpo_train("--shell-completion", "install=bash").stdout
+    assert "hydra_bash_completion" in completion

@@ -1,0 +1,112 @@
+"""Every preset composes and validates; validate() rejects bad configs with one clear message."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from hydra import compose, initialize_config_dir
+from hydra.errors import ConfigCompositionException
+from omegaconf import OmegaConf
+
+from grpo_cli.cli import config_dir
+from grpo_cli.config import ConfigError, validate
+
+CONF = Path(config_dir())
+GROUPS = ["model", "data", "sampler", "reward", "optimizer", "trainer"]
+
+
+def make(overrides: list[str] = ()):
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        return compose(config_name="config", overrides=list(overrides))
+
+
+def presets(group: str) -> list[str]:
+    return sorted(p.stem for p in (CONF / group).glob("*.yaml"))
+
+
+@pytest.mark.parametrize("name", presets("conf"))
+def test_every_run_preset_composes_and_validates(name):
+    cfg = make([f"conf={name}"])
+    validate(cfg, check_files=False)
+    assert OmegaConf.to_container(cfg, resolve=True)  # everything resolves
+
+
+@pytest.mark.parametrize("group,name", [(g, n) for g in GROUPS for n in presets(g)])
+def test_every_group_preset_composes_and_validates(group, name):
+    validate(make([f"{group}={name}"]), check_files=False)
+
+
+def test_default_is_the_tiny_preset_and_validates_with_files():
+    cfg = make()
+    assert cfg.model.name_or_path == "builtin:tiny-addition"
+    assert cfg.data.path == "synthetic:addition"
+    validate(cfg)
+
+
+def test_math_7b_preset_has_the_practitioner_numbers():
+    cfg = make(["conf=math_7b"])
+    assert cfg.model.name_or_path == "Qwen/Qwen2.5-7B-Instruct"
+    assert cfg.model.dtype == "bfloat16" and cfg.model.lora.enabled and cfg.model.lora.r == 16
+    assert list(cfg.model.lora.target_modules) == ["q_proj", "k_proj", "v_proj", "o_proj"]
+    assert (cfg.sampler.group_size, cfg.sampler.temperature) == (8, 0.8)
+    assert (cfg.optimizer.lr, cfg.trainer.beta, cfg.trainer.clip_eps) == (2e-6, 0.02, 0.2)
+    assert (cfg.data.prompts_per_step, cfg.trainer.checkpoint_every) == (16, 50)
+    assert cfg.data.prompt_field == "question"
+
+
+def test_math_half_b_preset_is_a_full_fine_tune():
+    cfg = make(["conf=math_0.5b"])
+    assert cfg.model.name_or_path == "Qwen/Qwen2.5-0.5B-Instruct" and not cfg.model.lora.enabled
+
+
+def test_command_line_overrides_reach_the_config():
+    cfg = make(["conf=math_7b", "trainer.beta=0.05", "sampler.group_size=16", "data.path=my.jsonl"])
+    assert (cfg.trainer.beta, cfg.sampler.group_size, cfg.data.path) == (0.05, 16, "my.jsonl")
+
+
+def test_a_typo_in_a_key_is_rejected_by_the_schema():
+    with pytest.raises(ConfigCompositionException, match="bta"):
+        make(["trainer.bta=0.1"])
+
+
+def test_a_wrong_type_is_rejected_by_the_schema():
+    with pytest.raises(ConfigCompositionException, match="group_size"):
+        make(["sampler.group_size=many"])
+
+
+@pytest.mark.parametrize(
+    "overrides,expected",
+    [
+        (["sampler.group_size=1"], "sampler.group_size=1"),
+        (["trainer.micro_batch_size=5"], "trainer.micro_batch_size=5"),
+        (["data.path=/nonexistent/prompts.jsonl"], "/nonexistent/prompts.jsonl does not exist"),
+        (["model.quantization=4bit"], "model.lora.enabled=true"),
+        (["model.dtype=fp8"], "model.dtype='fp8'"),
+        (["trainer.device=tpu"], "trainer.device='tpu'"),
+        (["optimizer.scheduler=step"], "optimizer.scheduler='step'"),
+        (["data.path=synthetic:multiplication"], "synthetic:multiplication"),
+        (["sampler.min_new_tokens=20", "sampler.max_new_tokens=8"], "sampler.min_new_tokens=20"),
+        (["trainer.resume=/no/such/checkpoint"], "no such checkpoint folder"),
+        (["reward.functions=[]"], "reward.functions is empty"),
+        (["sampler.top_p=0"], "sampler.top_p=0"),
+    ],
+)
+def test_validate_names_the_bad_key(overrides, expected):
+    with pytest.raises(ConfigError, match="nothing was loaded") as caught:
+        validate(make(overrides))
+    assert expected in str(caught.value)
+
+
+def test_validate_reports_every_problem_at_once():
+    with pytest.raises(ConfigError) as caught:
+        validate(make(["sampler.group_size=1", "trainer.steps=0"]))
+    assert "sampler.group_size=1" in str(caught.value) and "trainer.steps=0" in str(caught.value)
+
+
+def test_unknown_data_field_is_named_with_the_fields_that_exist(tmp_path):
+    data = tmp_path / "prompts.jsonl"
+    data.write_text('{"question": "1 + 1?", "answer": "2"}\n')
+    with pytest.raises(ConfigError) as caught:
+        validate(make([f"data.path={data}", "data.prompt_field=prompt"]))
+    assert "data.prompt_field='prompt'" in str(caught.value) and "'question'" in str(caught.value)
