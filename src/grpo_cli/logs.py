@@ -96,6 +96,11 @@ class RunLogger:
             self.tensorboard.close()
 
     def summary(self, rows: dict[str, str]) -> None:
+        if not self.console.is_terminal:  # logs and CI: plain lines that never wrap or truncate
+            self.console.print("grpo-train summary", highlight=False)
+            for key, value in rows.items():
+                self.console.print(f"  {key}: {value}", highlight=False, soft_wrap=True)
+            return
         table = Table(title="grpo-train summary", show_header=False)
         for key, value in rows.items():
             table.add_row(key, value)

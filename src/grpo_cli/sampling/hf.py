@@ -27,6 +27,7 @@ class HFSampler:
                     max_new_tokens=self.cfg.max_new_tokens,
                     pad_token_id=self.tokenizer.pad_token_id,
                     eos_token_id=self.tokenizer.eos_token_id,
+                    use_cache=True,  # also under gradient checkpointing, which turns it off for training
                     **options,
                 )
         finally:
