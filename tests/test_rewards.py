@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import math
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -24,11 +23,9 @@ from grpo_cli.rewards.math import extract_final_answer, reference_value
 
 GSM8K_TRAIN = Path(__file__).resolve().parents[2] / "shared" / "data" / "gsm8k" / "train.jsonl"
 
-# The helper reward functions below are named by `_target_` as "<this module>.<function>". Pytest
-# registers this module in sys.modules under `__name__`, so hydra's get_method finds it there; the
-# tests folder also goes on sys.path so that a plain `import <__name__>` works too.
-if str(Path(__file__).resolve().parent) not in sys.path:
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
+# The helper reward functions below are named by `_target_` as "<this module>.<function>": pytest
+# puts the tests folder on sys.path and registers this module under `__name__`, so hydra's
+# get_method imports them like a user's own reward module.
 
 
 def target(fn) -> str:

@@ -47,12 +47,11 @@ class RunLogger:
         self.output_dir = output_dir
         self.console = console or Console()
         self.log_every = log_every
-        self.history: list[dict[str, Any]] = []
         metrics_path = output_dir / METRICS_FILE
         # On resume, drop rows the stopped run wrote after its last checkpoint: they are redone.
         kept = [row for row in read_metrics(output_dir) if row.get("step", 0) <= start_step]
         metrics_path.write_text("".join(json.dumps(row) + "\n" for row in kept))
-        self.history = kept
+        self.history: list[dict[str, Any]] = kept
         self.metrics_file = metrics_path.open("a", encoding="utf-8")
         self.tensorboard = self._open_tensorboard(output_dir / "tensorboard")
         self.progress = Progress(

@@ -26,6 +26,7 @@ import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 
+from grpo_cli.rewards.math import exact_match
 from grpo_cli.tasks import SYNTHETIC_TASKS
 
 BUILTIN_PREFIX = "builtin:"
@@ -193,4 +194,4 @@ def greedy_accuracy(model, tokenizer, rows: list[dict], max_new_tokens: int = 4)
         eos_token_id=tokenizer.eos_token_id,
     )
     texts = tokenizer.batch_decode(output[:, encoded["input_ids"].shape[1]:], skip_special_tokens=True)
-    return sum(text.strip() == row["answer"] for text, row in zip(texts, rows)) / len(rows)
+    return sum(exact_match([], texts, [row["answer"] for row in rows])) / len(rows)
