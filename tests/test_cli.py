@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from omegaconf import OmegaConf
 
 from grpo_cli.logs import read_metrics
 from helpers import grpo_train
@@ -99,11 +100,11 @@ def test_multirun_sweep_writes_one_run_dir_per_job(tmp_path, tiny_model_dir):
     assert len(jobs) == 4
     seen = set()
     for job in jobs:
-        config = (job / "config.yaml").read_text()
+        config = OmegaConf.load(job / "config.yaml")
         rows = read_metrics(job)
         assert [row["step"] for row in rows] == [0, 1, 2]
-        beta, group = rows[1]["beta"], ("group_size: 2" in config and 2) or 4
-        seen.add((beta, group))
+        assert rows[1]["beta"] == config.trainer.beta
+        seen.add((config.trainer.beta, config.sampler.group_size))
     assert seen == {(0.01, 2), (0.01, 4), (0.04, 2), (0.04, 4)}
 
 
