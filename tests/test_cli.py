@@ -4,7 +4,6 @@ sweeps, LoRA, and clear errors for bad input."""
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 import torch
