@@ -19,3 +19,54 @@ def grpo_train(*overrides: str, cwd: Path | None = None, check: bool = True) -> 
     if check and result.returncode != 0:
         raise AssertionError(f"grpo-train failed ({result.returncode}):\n{result.stdout}\n{result.stderr}")
     return result
+
+
+def config(tiny_model_dir, *overrides: str):
+    """The typed config for in-process runs on the tiny model: 2 prompts x G=4, 4 new tokens."""
+    from omegaconf import OmegaConf
+
+    from grpo_cli.config import Config
+
+    cfg = OmegaConf.structured(Config)
+    cfg.merge_with_dotlist([
+        f"model.name_or_path={tiny_model_dir}", "data.path=synthetic:addition",
+        "data.prompts_per_step=2", "sampler.group_size=4", "sampler.max_new_tokens=4",
+        "optimizer.lr=1e-2", *overrides,
+    ])
+    return cfg
+
+
+def one_step(cfg, edit_rollout=None):
+    """Sample, reward by hand (alternating 1/0 so every group has signal), update once.
+
+    `edit_rollout(rollout)` may change the rollout before the update (e.g. its truncated flags).
+    Returns (models, rollout, stats, parameters changed, parameters in total).
+    """
+    import torch
+
+    from grpo_cli.advantages import group_advantages
+    from grpo_cli.config import beta_schedule
+    from grpo_cli.losses import beta_at
+    from grpo_cli.models import load_models, trainable_parameters
+    from grpo_cli.optim import make_optimizer, make_scheduler
+    from grpo_cli.prompts import PromptSource
+    from grpo_cli.sampling import make_sampler
+    from grpo_cli.update import update_policy
+
+    torch.manual_seed(0)
+    betas = beta_schedule(cfg.trainer.beta)
+    models = load_models(cfg.model, betas.peak, torch.device("cpu"))
+    batch = PromptSource(cfg.data, models.tokenizer).next_batch()
+    rollout = make_sampler(cfg.sampler, models.tokenizer).sample(models.policy, batch)
+    if edit_rollout is not None:
+        edit_rollout(rollout)
+    rewards = torch.tensor([[1.0, 0.0, 1.0, 0.0]] * batch.size)
+    advantages = group_advantages(rewards, std_eps=1e-4, std_threshold=1e-4)
+    parameters = trainable_parameters(models.policy)
+    before = [p.detach().clone() for p in parameters]
+    optimizer = make_optimizer(cfg.optimizer, parameters)
+    scheduler = make_scheduler(cfg.optimizer, optimizer, cfg.trainer.num_iterations)
+    stats = update_policy(models, rollout, advantages, optimizer, scheduler, cfg.trainer,
+                          cfg.optimizer.max_grad_norm, beta=beta_at(betas, 0))
+    changed = sum(not torch.equal(b, p) for b, p in zip(before, parameters))
+    return models, rollout, stats, changed, len(parameters)

@@ -10,10 +10,11 @@ from hydra.errors import ConfigCompositionException
 from omegaconf import OmegaConf
 
 from grpo_cli.cli import config_dir
-from grpo_cli.config import ConfigError, validate
+from grpo_cli.config import ConfigError, beta_schedule, validate
+from grpo_cli.losses import BetaSchedule
 
 CONF = Path(config_dir())
-GROUPS = ["model", "data", "sampler", "reward", "optimizer", "trainer"]
+GROUPS = ["model", "data", "sampler", "reward", "optimizer", "trainer", "algorithm"]
 
 
 def make(overrides: list[str] = ()):
@@ -90,12 +91,48 @@ def test_a_wrong_type_is_rejected_by_the_schema():
         (["trainer.resume=/no/such/checkpoint"], "no such checkpoint folder"),
         (["reward.functions=[]"], "reward.functions is empty"),
         (["sampler.top_p=0"], "sampler.top_p=0"),
+        (["trainer.advantage=ppo"], "trainer.advantage='ppo'"),
+        (["trainer.loss_aggregation=sum"], "trainer.loss_aggregation='sum'"),
+        (["trainer.kl_estimator=k4"], "trainer.kl_estimator='k4'"),
+        (["trainer.beta=-0.1"], "trainer.beta=-0.1"),
+        (["trainer.beta=lots"], "trainer.beta='lots'"),
+        (["trainer.beta={start: 0.05, stop: 0.02}"], "unknown keys ['stop']"),
+        (["trainer.beta={end: 0.02}"], "needs `start`"),
+        (["trainer.beta={start: 0.05, shape: exp}"], "trainer.beta.shape='exp'"),
+        (["trainer.beta={start: 0.05, warmup_steps: -3}"], "must be numbers >= 0"),
+        (["trainer.clip_eps=1.5"], "trainer.clip_eps=1.5"),
+        (["trainer.clip_eps_high=-0.1"], "trainer.clip_eps_high=-0.1"),
+        (["trainer.max_resample_rounds=-1"], "trainer.max_resample_rounds=-1"),
+        (["reward.clip=[5,-5]"], "reward.clip="),
+        (["reward.clip=[1]"], "reward.clip="),
     ],
 )
 def test_validate_names_the_bad_key(overrides, expected):
     with pytest.raises(ConfigError, match="nothing was loaded") as caught:
         validate(make(overrides))
     assert expected in str(caught.value)
+
+
+def test_algorithm_presets_set_the_variant_keys_and_win_over_the_run_preset():
+    dapo = make(["conf=math_7b", "algorithm=dapo"]).trainer
+    assert (dapo.loss_aggregation, dapo.clip_eps_high, dapo.filter_zero_std, dapo.mask_truncated) == (
+        "token_mean", 0.28, True, True)
+    assert dapo.beta == 0.0  # DAPO drops the KL term, over math_7b's 0.02
+    dr_grpo = make(["algorithm=dr_grpo"]).trainer
+    assert (dr_grpo.advantage, dr_grpo.loss_aggregation) == ("dr_grpo", "constant")
+    assert make(["algorithm=rloo"]).trainer.advantage == "rloo"
+    paper = make([]).trainer
+    assert (paper.advantage, paper.loss_aggregation, paper.kl_estimator, paper.clip_eps_high) == (
+        "grpo", "sequence_mean", "k3", None)
+    # The command line still wins over the algorithm preset.
+    assert make(["algorithm=dapo", "trainer.clip_eps_high=0.3"]).trainer.clip_eps_high == 0.3
+
+
+def test_a_beta_schedule_composes_from_the_command_line():
+    cfg = make(["trainer.beta={start: 0.05, end: 0.02, warmup_steps: 100, shape: cosine}"])
+    validate(cfg)
+    assert beta_schedule(cfg.trainer.beta) == BetaSchedule(0.05, 0.02, 100, "cosine")
+    assert beta_schedule(make(["trainer.beta=0.02"]).trainer.beta) == BetaSchedule(0.02, 0.02, 0, "linear")
 
 
 def test_validate_reports_every_problem_at_once():

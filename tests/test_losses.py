@@ -3,8 +3,17 @@ import math
 import pytest
 import torch
 
-from grpo_cli.losses import grpo_loss, kl_k3, sequence_mean, token_entropy, token_log_probs
+from grpo_cli.losses import LossSettings, StepSize, grpo_loss, kl_k3, sequence_mean, token_entropy, token_log_probs
 from grpo_cli.sampling import completion_mask
+
+
+def paper(clip_eps: float = 0.2, beta: float = 0.0) -> LossSettings:
+    """The paper's settings: symmetric clip, k3, per-sequence mean."""
+    return LossSettings(clip_eps=clip_eps, clip_eps_high=clip_eps, beta=beta)
+
+
+def size(sequences: int, tokens: int = 0, max_new_tokens: int = 0) -> StepSize:
+    return StepSize(sequences, tokens, max_new_tokens)
 
 
 def test_token_log_probs_match_log_softmax():
@@ -35,10 +44,11 @@ def _one_token(logp_minus_old: float, advantage: float, clip_eps: float = 0.2):
     log_probs = torch.tensor([[logp_minus_old]], requires_grad=True)
     loss, metrics = grpo_loss(
         log_probs, torch.zeros(1, 1), None, torch.tensor([advantage]), torch.ones(1, 1),
-        clip_eps=clip_eps, beta=0.0, num_sequences=1,
+        paper(clip_eps), size(1),
     )
     loss.backward()
-    return loss.item(), log_probs.grad.item(), metrics["clipped_tokens"].item()
+    clipped = metrics["clipped_high"].item() + metrics["clipped_low"].item()
+    return loss.item(), log_probs.grad.item(), clipped
 
 
 def test_ratio_above_the_clip_with_positive_advantage_is_clipped_and_has_no_gradient():
@@ -71,7 +81,7 @@ def test_on_policy_gradient_is_minus_advantage_over_length():
     log_probs = torch.zeros(2, 2, requires_grad=True)
     mask = torch.tensor([[1, 1], [1, 0]])
     loss, _ = grpo_loss(log_probs, log_probs.detach(), None, torch.tensor([1.0, -2.0]), mask,
-                        clip_eps=0.2, beta=0.0, num_sequences=2)
+                        paper(), size(2))
     loss.backward()
     # loss = -(1 * 1 + (-2) * 1) / 2 = 0.5
     assert loss.item() == pytest.approx(0.5)
@@ -84,7 +94,7 @@ def test_kl_term_adds_beta_times_k3_averaged_per_sequence():
     log_probs = torch.log(torch.tensor([[0.5, 0.3]]))
     ref = torch.log(torch.tensor([[0.25, 0.3]]))
     loss, metrics = grpo_loss(log_probs, log_probs, ref, torch.zeros(1), torch.ones(1, 2),
-                              clip_eps=0.2, beta=0.1, num_sequences=1)
+                              paper(beta=0.1), size(1))
     assert loss.item() == pytest.approx(0.1 * 0.193147 / 2, abs=1e-6)
     assert metrics["kl_sum"].item() == pytest.approx(0.193147, abs=1e-6)
 
@@ -93,7 +103,7 @@ def test_micro_batch_losses_add_up_to_the_full_batch_loss():
     torch.manual_seed(0)
     log_probs, old, ref = torch.randn(6, 4), torch.randn(6, 4), torch.randn(6, 4)
     advantages, mask = torch.randn(6), (torch.rand(6, 4) > 0.3).long()
-    arguments = dict(clip_eps=0.2, beta=0.04, num_sequences=6)
+    arguments = dict(settings=paper(beta=0.04), step=size(6))
     full, _ = grpo_loss(log_probs, old, ref, advantages, mask, **arguments)
     parts = sum(grpo_loss(log_probs[s], old[s], ref[s], advantages[s], mask[s], **arguments)[0]
                 for s in (slice(0, 2), slice(2, 4), slice(4, 6)))

@@ -5,43 +5,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from omegaconf import OmegaConf
 
-from grpo_cli.advantages import group_advantages
-from grpo_cli.config import Config
-from grpo_cli.models import load_models, reference_model, trainable_parameters
-from grpo_cli.optim import make_optimizer, make_scheduler
-from grpo_cli.prompts import PromptSource
-from grpo_cli.sampling import make_sampler
-from grpo_cli.update import completion_log_probs, update_policy
-
-
-def config(tiny_model_dir, *overrides: str):
-    cfg = OmegaConf.structured(Config)
-    cfg.merge_with_dotlist([
-        f"model.name_or_path={tiny_model_dir}", "data.path=synthetic:addition",
-        "data.prompts_per_step=2", "sampler.group_size=4", "sampler.max_new_tokens=4",
-        "optimizer.lr=1e-2", *overrides,
-    ])
-    return cfg
-
-
-def one_step(cfg):
-    """Sample, reward by hand (alternating 1/0 so every group has signal), update once."""
-    torch.manual_seed(0)
-    models = load_models(cfg.model, cfg.trainer.beta, torch.device("cpu"))
-    batch = PromptSource(cfg.data, models.tokenizer).next_batch()
-    rollout = make_sampler(cfg.sampler, models.tokenizer).sample(models.policy, batch)
-    rewards = torch.tensor([[1.0, 0.0, 1.0, 0.0]] * batch.size)
-    advantages = group_advantages(rewards, std_eps=1e-4, std_threshold=1e-4)
-    parameters = trainable_parameters(models.policy)
-    before = [p.detach().clone() for p in parameters]
-    optimizer = make_optimizer(cfg.optimizer, parameters)
-    scheduler = make_scheduler(cfg.optimizer, optimizer, 1)
-    stats = update_policy(models, rollout, advantages, optimizer, scheduler, cfg.trainer,
-                          cfg.optimizer.max_grad_norm)
-    changed = sum(not torch.equal(b, p) for b, p in zip(before, parameters))
-    return models, rollout, stats, changed, len(parameters)
+from grpo_cli.models import reference_model
+from grpo_cli.update import completion_log_probs
+from helpers import config, one_step
 
 
 def test_full_fine_tune_trains_every_weight_against_a_frozen_copy(tiny_model_dir):

@@ -15,7 +15,10 @@ from pathlib import Path
 from typing import Any, List, Optional
 
 from hydra.core.config_store import ConfigStore
-from omegaconf import MISSING
+from omegaconf import MISSING, OmegaConf
+
+from grpo_cli.advantages import ADVANTAGE_MODES
+from grpo_cli.losses import AGGREGATIONS, BETA_SHAPES, KL_ESTIMATORS, BetaSchedule
 
 
 class ConfigError(ValueError):
@@ -93,6 +96,11 @@ class RewardConfig:
         default_factory=lambda: [{"_target_": "grpo_cli.rewards.exact_match", "weight": 1.0}]
     )
     """Reward functions: each `{_target_: module.function, weight: w, ...its own keyword args}`."""
+    clip: Optional[List[float]] = None
+    """[low, high]: clamp each function's scores to this range before weighting (null: no clip)."""
+    normalize_each: bool = False
+    """Z-score each function's scores within their group before the weighted sum, so a reward on a
+    large scale does not drown a small one. The logged reward/mean stays the plain weighted sum."""
 
 
 @dataclass
@@ -115,18 +123,38 @@ class OptimizerConfig:
 class TrainerConfig:
     steps: int = 100
     """Training steps; each samples prompts_per_step x group_size completions."""
-    beta: float = 0.04
-    """KL coefficient against the frozen reference. 0 skips the reference model entirely."""
+    beta: Any = 0.04
+    """KL coefficient against the frozen reference: a number, or a schedule
+    {start: 0.05, end: 0.02, warmup_steps: 100, shape: linear|cosine|step}. 0 (start and end)
+    skips the reference model entirely."""
+    kl_estimator: str = "k3"
+    """k3 (the paper's, >= 0) | k2 | k1: the per-token KL estimate added to the loss."""
+    advantage: str = "grpo"
+    """grpo (group mean/std) | rloo (leave-one-out mean) | dr_grpo (group mean, no std) |
+    batch_std (group mean, std of the whole batch)."""
+    loss_aggregation: str = "sequence_mean"
+    """sequence_mean (the paper: per-sequence mean, then over sequences) | token_mean (DAPO: all
+    tokens of the step weigh the same) | constant (Dr. GRPO: token sums / max_new_tokens)."""
     clip_eps: float = 0.2
-    """PPO clip range: the ratio pi/pi_old is clipped to [1 - clip_eps, 1 + clip_eps]."""
+    """PPO clip range: the ratio pi/pi_old is clipped to [1 - clip_eps, 1 + clip_eps_high]."""
+    clip_eps_high: Optional[float] = None
+    """Upper clip (DAPO clip-higher, e.g. 0.28); null = clip_eps."""
     num_iterations: int = 1
     """mu: optimizer passes over each generation batch (old log-probs are computed once, before)."""
     micro_batch_size: int = 0
     """Completions per forward/backward pass (gradient accumulation); 0 = the whole step at once."""
     std_eps: float = 1e-4
-    """Added to the group std before dividing: A = (r - mean) / (std + std_eps)."""
+    """Added to the std before dividing: A = (r - mean) / (std + std_eps)."""
     std_threshold: float = 1e-4
     """Groups whose reward std is below this get A = 0 (no signal) and are counted."""
+    filter_zero_std: bool = False
+    """DAPO dynamic sampling: drop groups whose rewards are all equal and sample more prompts until
+    the step has data.prompts_per_step informative groups."""
+    max_resample_rounds: int = 4
+    """Extra sampling rounds a step may take to fill its informative groups; if still short, the
+    step is topped up with uninformative groups (A = 0) and the shortfall is logged."""
+    mask_truncated: bool = False
+    """Leave completions that hit max_new_tokens without EOS out of the loss (DAPO overlong filter)."""
     checkpoint_every: int = 50
     """Save a checkpoint every N steps (and at the end); 0 saves only at the end."""
     keep_last: int = 3
@@ -178,6 +206,9 @@ CHOICES = {
     "model.quantization": ("none", "8bit", "4bit"),
     "data.use_chat_template": ("auto", "true", "false"),
     "optimizer.scheduler": ("constant", "linear", "cosine"),
+    "trainer.advantage": ADVANTAGE_MODES,
+    "trainer.loss_aggregation": AGGREGATIONS,
+    "trainer.kl_estimator": KL_ESTIMATORS,
 }
 
 
@@ -223,8 +254,8 @@ def validate(cfg: Any, check_files: bool = True) -> None:
     }
     problems += [f"{key}={value} must be positive." for key, value in positive.items() if value <= 0]
     non_negative = {
-        "trainer.beta": trainer.beta,
         "trainer.clip_eps": trainer.clip_eps,
+        "trainer.max_resample_rounds": trainer.max_resample_rounds,
         "trainer.checkpoint_every": trainer.checkpoint_every,
         "trainer.log_every": trainer.log_every,
         "trainer.eval_every": trainer.eval_every,
@@ -235,6 +266,12 @@ def validate(cfg: Any, check_files: bool = True) -> None:
         "optimizer.max_grad_norm": cfg.optimizer.max_grad_norm,
     }
     problems += [f"{key}={value} must be >= 0." for key, value in non_negative.items() if value < 0]
+    if trainer.clip_eps >= 1:
+        problems.append(f"trainer.clip_eps={trainer.clip_eps} must be below 1 (the ratio is clipped at 1 - clip_eps).")
+    if trainer.clip_eps_high is not None and trainer.clip_eps_high < 0:
+        problems.append(f"trainer.clip_eps_high={trainer.clip_eps_high} must be >= 0 (or null for clip_eps).")
+    problems += _beta_problems(trainer.beta)
+    problems += _clip_problems(cfg.reward.clip)
     if trainer.keep_last < 1:
         problems.append(f"trainer.keep_last={trainer.keep_last} must be at least 1.")
     if not 0 < sampler.top_p <= 1:
@@ -286,6 +323,54 @@ def _reward_problems(functions: Any) -> list[str]:
         if not isinstance(weight, (int, float)) or isinstance(weight, bool):
             problems.append(f"{key}.weight={weight!r} must be a number.")
     return problems
+
+
+def beta_schedule(beta: Any) -> BetaSchedule:
+    """trainer.beta (a number or a {start, end, warmup_steps, shape} mapping) as a BetaSchedule."""
+    if OmegaConf.is_config(beta):
+        beta = OmegaConf.to_container(beta, resolve=True)
+    if isinstance(beta, dict):
+        start = float(beta["start"])
+        return BetaSchedule(start, float(beta.get("end", start)), int(beta.get("warmup_steps", 0)),
+                            str(beta.get("shape", "linear")))
+    return BetaSchedule(float(beta), float(beta))
+
+
+BETA_KEYS = ("start", "end", "warmup_steps", "shape")
+
+
+def _beta_problems(beta: Any) -> list[str]:
+    hint = ("trainer.beta must be a number >= 0 or a schedule such as "
+            "trainer.beta='{start: 0.05, end: 0.02, warmup_steps: 100, shape: linear}'")
+    if OmegaConf.is_config(beta):
+        beta = OmegaConf.to_container(beta, resolve=True)
+    if isinstance(beta, dict):
+        unknown = sorted(set(beta) - set(BETA_KEYS))
+        if unknown or "start" not in beta:
+            return [f"trainer.beta={beta}: " + (f"unknown keys {unknown}; " if unknown else "needs `start`; ")
+                    + f"the schedule keys are {', '.join(BETA_KEYS)}."]
+        numbers = {key: beta[key] for key in ("start", "end", "warmup_steps") if key in beta}
+        if any(not _is_number(v) or v < 0 for v in numbers.values()):
+            return [f"trainer.beta={beta}: start, end and warmup_steps must be numbers >= 0."]
+        if str(beta.get("shape", "linear")) not in BETA_SHAPES:
+            return [f"trainer.beta.shape={beta.get('shape')!r} is not one of {', '.join(BETA_SHAPES)}."]
+        return []
+    if not _is_number(beta) or beta < 0:
+        return [f"trainer.beta={beta!r}: {hint}."]
+    return []
+
+
+def _clip_problems(clip: Any) -> list[str]:
+    if clip is None:
+        return []
+    values = list(clip) if not isinstance(clip, (str, bytes)) and hasattr(clip, "__iter__") else None
+    if values is None or len(values) != 2 or not all(_is_number(v) for v in values) or values[0] >= values[1]:
+        return [f"reward.clip={clip!r} must be [low, high] with low < high, e.g. reward.clip=[-5,5] (or null)."]
+    return []
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 def resume_mode(resume: Any) -> Optional[str]:

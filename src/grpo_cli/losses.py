@@ -1,4 +1,5 @@
-"""Stage 5's math: per-token log-probs, the k3 KL estimator and the GRPO loss. Pure functions.
+"""Stage 5's math: per-token log-probs, KL estimators, the clipped surrogate and its aggregation.
+Pure functions on tensors; docs/ALGORITHM.md gives every formula beside the key that selects it.
 
 The objective of the GRPO paper (DeepSeekMath, eq. 3), maximized:
 
@@ -7,44 +8,126 @@ The objective of the GRPO paper (DeepSeekMath, eq. 3), maximized:
     rho_it = pi_theta(o_it | q, o_i<t) / pi_old(o_it | q, o_i<t)
     KL_it  = pi_ref / pi_theta - log(pi_ref / pi_theta) - 1        (the k3 estimator, >= 0)
 
-The code minimizes loss = -J with the same three parts, and averages over all B*G sequences of
-the step (each prompt's group weighs the same when all groups have G completions). Departures
-from the paper, none of which change the formula above:
+The code minimizes loss = -J. With the defaults (loss_aggregation=sequence_mean, kl_estimator=k3,
+clip_eps_high = clip_eps) it is exactly the formula above, averaged over all B*G sequences of the
+step (each prompt's group weighs the same, as every group has G completions). The variants:
+- `clip_eps_high` (DAPO "clip-higher"): the upper bound becomes 1 + clip_eps_high.
+- `kl_estimator`: k1 = log(pi/ref), k2 = (log(pi/ref))^2 / 2, k3 as above.
+- `aggregation`: sequence_mean (the paper), token_mean (DAPO: every token of the step weighs the
+  same), constant (Dr. GRPO: each sequence's token sum divided by max_new_tokens).
+Departures from the paper, none of which change the formula:
 - With num_iterations = 1 the "old" policy is the current one: rho = exp(logp - logp.detach()),
   which is 1 in value but still carries the gradient, exactly as the paper's single-pass case.
-- KL is the k3 estimator computed per token inside the loss (not a penalty on the reward).
+- KL is computed per token inside the loss (not as a penalty on the reward).
 - Log-probs are those of the policy itself (temperature 1), whatever temperature sampled them.
 """
 
 from __future__ import annotations
 
+import math
+from dataclasses import dataclass
+from typing import NamedTuple
+
 import torch
 
+KL_ESTIMATORS = ("k1", "k2", "k3")
+BETA_SHAPES = ("linear", "cosine", "step")
+AGGREGATIONS = ("sequence_mean", "token_mean", "constant")
+LOGIT_CHUNK_ELEMENTS = 1 << 24  # float32 elements per chunk of logits (64 MiB): rows = this / vocab
 
-def token_log_probs(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+
+def _chunk_rows(vocab: int, chunk_rows: int | None) -> int:
+    return chunk_rows or max(1, LOGIT_CHUNK_ELEMENTS // vocab)
+
+
+def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    """float32 for bf16/fp16 logits (their logsumexp is too coarse), float64 stays float64."""
+    return torch.promote_types(dtype, torch.float32)
+
+
+class _TokenLogProbs(torch.autograd.Function):
+    """log softmax(logits)[token], row chunk by row chunk.
+
+    The upcast copy of the logits and the softmax exist for `chunk_rows` rows at a time, in the
+    forward and again in the backward, instead of a [rows, vocab] float32 tensor kept for autograd:
+    the extra memory grows with batch x length, not with the vocabulary (152k for Qwen2.5).
+    d/dlogits (logit[token] - logsumexp(logits)) = onehot(token) - softmax(logits).
+    """
+
+    @staticmethod
+    def forward(ctx, logits: torch.Tensor, tokens: torch.Tensor, chunk_rows: int) -> torch.Tensor:
+        dtype = _compute_dtype(logits.dtype)
+        out = torch.empty(logits.shape[0], dtype=dtype, device=logits.device)
+        for start in range(0, logits.shape[0], chunk_rows):
+            rows = slice(start, start + chunk_rows)
+            chunk = logits[rows].to(dtype)
+            out[rows] = chunk.gather(1, tokens[rows].unsqueeze(1)).squeeze(1) - torch.logsumexp(chunk, dim=1)
+        ctx.save_for_backward(logits, tokens)
+        ctx.chunk_rows = chunk_rows
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out: torch.Tensor):
+        logits, tokens = ctx.saved_tensors
+        grad = torch.empty_like(logits)
+        for start in range(0, logits.shape[0], ctx.chunk_rows):
+            rows = slice(start, start + ctx.chunk_rows)
+            weight = grad_out[rows].unsqueeze(1)  # [rows, 1]
+            chunk_grad = torch.softmax(logits[rows].to(grad_out.dtype), dim=1).mul_(-weight)
+            chunk_grad.scatter_add_(1, tokens[rows].unsqueeze(1), weight)
+            grad[rows] = chunk_grad.to(grad.dtype)
+        return grad, None, None
+
+
+def token_log_probs(logits: torch.Tensor, tokens: torch.Tensor, chunk_rows: int | None = None) -> torch.Tensor:
     """log pi(token) at each position. logits: [N, T, V] (predicting tokens [N, T]) -> [N, T].
 
-    Computed as logit - logsumexp(logits) in float32, without materializing a [N, T, V]
-    log-softmax: the vocabulary of real models is large.
+    float32 (float64 for float64 logits); see _TokenLogProbs for why it is chunked.
     """
-    logits = logits.float()
-    picked = torch.gather(logits, dim=-1, index=tokens.unsqueeze(-1)).squeeze(-1)
-    return picked - torch.logsumexp(logits, dim=-1)
+    batch, length, vocab = logits.shape
+    flat = _TokenLogProbs.apply(logits.reshape(-1, vocab), tokens.reshape(-1), _chunk_rows(vocab, chunk_rows))
+    return flat.view(batch, length)
 
 
-def token_entropy(logits: torch.Tensor) -> torch.Tensor:
-    """Entropy of the next-token distribution at each position: [N, T, V] -> [N, T]."""
-    log_probs = torch.log_softmax(logits.float(), dim=-1)
-    return -(log_probs.exp() * log_probs).sum(dim=-1)
+@torch.no_grad()
+def token_entropy(logits: torch.Tensor, chunk_rows: int | None = None) -> torch.Tensor:
+    """Entropy of the next-token distribution at each position: [N, T, V] -> [N, T]. No gradient.
+
+    H = logsumexp(x) - sum softmax(x) * x, chunked like token_log_probs.
+    """
+    batch, length, vocab = logits.shape
+    flat = logits.reshape(-1, vocab)
+    rows_per_chunk = _chunk_rows(vocab, chunk_rows)
+    out = torch.empty(flat.shape[0], dtype=_compute_dtype(logits.dtype), device=logits.device)
+    for start in range(0, flat.shape[0], rows_per_chunk):
+        rows = slice(start, start + rows_per_chunk)
+        chunk = flat[rows].to(out.dtype)
+        out[rows] = torch.logsumexp(chunk, dim=1) - (torch.softmax(chunk, dim=1) * chunk).sum(dim=1)
+    return out.view(batch, length)
+
+
+def kl_estimate(log_probs: torch.Tensor, ref_log_probs: torch.Tensor, estimator: str = "k3") -> torch.Tensor:
+    """Per-token estimate of KL(pi || ref) from the sampled token's log-probs. [N, T] -> [N, T].
+
+    With d = ref - logp (= log(ref / pi)):
+      k1 = -d              unbiased in value, can be negative, its gradient is 0 in expectation
+      k2 = d^2 / 2         >= 0; its gradient is the true gradient of KL(pi || ref)
+      k3 = e^d - d - 1     >= 0, unbiased in value (the paper's choice)
+    Example: logp = log 0.5, ref = log 0.25 -> d = -log 2 = -0.693147:
+      k1 = 0.693147, k2 = 0.240227, k3 = 0.5 + 0.693147 - 1 = 0.193147.
+    """
+    delta = ref_log_probs - log_probs
+    if estimator == "k1":
+        return -delta
+    if estimator == "k2":
+        return 0.5 * delta.square()
+    if estimator == "k3":
+        return torch.exp(delta) - delta - 1.0
+    raise ValueError(f"unknown KL estimator {estimator!r}; one of {', '.join(KL_ESTIMATORS)}")
 
 
 def kl_k3(log_probs: torch.Tensor, ref_log_probs: torch.Tensor) -> torch.Tensor:
-    """Per-token k3 estimate of KL(pi || ref): exp(d) - d - 1 with d = ref - logp. Never negative.
-
-    Example: logp = log 0.5, ref = log 0.25 -> d = -log 2, k3 = 0.5 + 0.6931 - 1 = 0.1931.
-    """
-    delta = ref_log_probs - log_probs
-    return torch.exp(delta) - delta - 1.0
+    return kl_estimate(log_probs, ref_log_probs, "k3")
 
 
 def sequence_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -53,17 +136,81 @@ def sequence_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return (values * mask).sum(dim=1) / mask.sum(dim=1).clamp(min=1.0)
 
 
+class StepSize(NamedTuple):
+    """The whole step's counts that each micro-batch's loss is divided by, so that the micro-batch
+    losses add up to the step's loss whatever the micro-batch size."""
+
+    sequences: int  # B*G completions in the step
+    tokens: int  # completion tokens in the loss over the whole step (token_mean)
+    max_new_tokens: int  # the constant of Dr. GRPO's aggregation
+
+
+def aggregate(per_token: torch.Tensor, mask: torch.Tensor, aggregation: str, step: StepSize) -> torch.Tensor:
+    """Reduce per-token losses [N, T] of one micro-batch to its share of the step's scalar loss.
+
+      sequence_mean: sum_i (1/|o_i| sum_t l_it) / sequences      (GRPO paper)
+      token_mean:    sum_i sum_t l_it / tokens                    (DAPO)
+      constant:      sum_i sum_t l_it / (sequences * max_new_tokens)   (Dr. GRPO)
+    """
+    if aggregation == "sequence_mean":
+        return sequence_mean(per_token, mask).sum() / step.sequences
+    masked_sum = (per_token * mask.to(per_token.dtype)).sum()
+    if aggregation == "token_mean":
+        return masked_sum / max(step.tokens, 1)
+    if aggregation == "constant":
+        return masked_sum / (step.sequences * step.max_new_tokens)
+    raise ValueError(f"unknown loss aggregation {aggregation!r}; one of {', '.join(AGGREGATIONS)}")
+
+
+class BetaSchedule(NamedTuple):
+    """The KL coefficient over training: `start` at step 0, `end` from `warmup_steps` on.
+
+    In between it moves by `shape`: linear, cosine (slow, fast, slow) or step (holds `start`
+    until `warmup_steps`, then switches). A constant beta is start = end. "Tight then loose":
+    BetaSchedule(0.05, 0.02, 100, "linear") gives 0.05 at step 0, 0.035 at 50, 0.02 from 100 on.
+    """
+
+    start: float
+    end: float
+    warmup_steps: int = 0
+    shape: str = "linear"
+
+    @property
+    def peak(self) -> float:
+        return max(self.start, self.end)
+
+
+def beta_at(schedule: BetaSchedule, step: int) -> float:
+    """Beta in force after `step` completed optimizer steps (0 for the first update)."""
+    if step >= schedule.warmup_steps:
+        return schedule.end
+    progress = step / schedule.warmup_steps
+    if schedule.shape == "step":
+        return schedule.start
+    if schedule.shape == "cosine":
+        progress = 0.5 * (1.0 - math.cos(math.pi * progress))
+    return schedule.start + (schedule.end - schedule.start) * progress
+
+
+@dataclass(frozen=True)
+class LossSettings:
+    clip_eps: float  # lower clip: rho >= 1 - clip_eps
+    clip_eps_high: float  # upper clip: rho <= 1 + clip_eps_high (= clip_eps in the paper)
+    beta: float  # KL coefficient in force this step
+    kl_estimator: str = "k3"
+    aggregation: str = "sequence_mean"
+
+
 def grpo_loss(
     log_probs: torch.Tensor,  # [N, T] current policy, with grad
     old_log_probs: torch.Tensor,  # [N, T] the policy that sampled (no grad)
-    ref_log_probs: torch.Tensor | None,  # [N, T] frozen reference, None when beta = 0
+    ref_log_probs: torch.Tensor | None,  # [N, T] frozen reference, None when there is none
     advantages: torch.Tensor,  # [N]
-    mask: torch.Tensor,  # [N, T] completion tokens
-    clip_eps: float,
-    beta: float,
-    num_sequences: int,  # sequences in the whole step, so micro-batch losses add up to the mean
+    mask: torch.Tensor,  # [N, T] completion tokens in the loss
+    settings: LossSettings,
+    step: StepSize,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """The GRPO loss of one micro-batch, and sums for the step's metrics (detached).
+    """The loss of one micro-batch, and detached sums for the step's metrics.
 
     Worked example, one token, A = 1, eps = 0.2: logp - old = log 1.5 -> rho = 1.5, clipped to
     1.2; min(1.5 * 1, 1.2 * 1) = 1.2, so the token contributes -1.2 and no gradient (the clipped
@@ -72,20 +219,23 @@ def grpo_loss(
     ratio = torch.exp(log_probs - old_log_probs)
     advantages = advantages.unsqueeze(1)  # [N, 1], shared by all tokens of a completion
     unclipped = ratio * advantages
-    clipped = torch.clamp(ratio, 1.0 - clip_eps, 1.0 + clip_eps) * advantages
-    surrogate = torch.minimum(unclipped, clipped)  # [N, T]
-    per_token = -surrogate
+    clipped = torch.clamp(ratio, 1.0 - settings.clip_eps, 1.0 + settings.clip_eps_high) * advantages
+    per_token = -torch.minimum(unclipped, clipped)  # [N, T]
     kl = None
-    if ref_log_probs is not None and beta > 0:
-        kl = kl_k3(log_probs, ref_log_probs)
-        per_token = per_token + beta * kl
-    loss = sequence_mean(per_token, mask).sum() / num_sequences
+    if ref_log_probs is not None:
+        kl = kl_estimate(log_probs, ref_log_probs, settings.kl_estimator)
+        if settings.beta > 0:
+            per_token = per_token + settings.beta * kl
+    loss = aggregate(per_token, mask, settings.aggregation, step)
 
-    tokens = mask.bool()
-    was_clipped = (clipped < unclipped) & tokens  # the min took the clipped branch
-    metrics = {
-        "tokens": tokens.sum().detach(),
-        "clipped_tokens": was_clipped.sum().detach(),
-        "kl_sum": (kl.detach() * mask).sum() if kl is not None else torch.zeros(()),
-    }
+    with torch.no_grad():
+        tokens = mask.bool()
+        was_clipped = (clipped < unclipped) & tokens  # the min took the clipped (constant) branch
+        metrics = {
+            "tokens": tokens.sum(),
+            "clipped_high": (was_clipped & (advantages > 0)).sum(),  # rho > 1 + clip_eps_high
+            "clipped_low": (was_clipped & (advantages < 0)).sum(),  # rho < 1 - clip_eps
+            "kl_sum": (kl * mask).sum() if kl is not None else torch.zeros(()),
+            "ratio_max_deviation": ((ratio - 1).abs() * mask).max() if tokens.any() else torch.zeros(()),
+        }
     return loss, metrics

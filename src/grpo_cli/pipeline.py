@@ -19,8 +19,10 @@ from omegaconf import OmegaConf
 
 from grpo_cli.advantages import group_advantages
 from grpo_cli.checkpoint import latest_checkpoint, load_trainer_state, save_checkpoint, set_rng_state
-from grpo_cli.config import ConfigError, resume_mode, validate
+from grpo_cli.config import ConfigError, beta_schedule, resume_mode, validate
+from grpo_cli.dynamic import fill_informative_groups
 from grpo_cli.logs import RunLogger, window_mean
+from grpo_cli.losses import beta_at
 from grpo_cli.models import Models, load_models, resolve_device, trainable_parameters
 from grpo_cli.optim import make_optimizer, make_scheduler
 from grpo_cli.prompts import PromptSource, batches, load_eval_rows
@@ -52,11 +54,12 @@ def run(cfg: Any) -> RunResult:
 
     seed_everything(trainer.seed)
     device = resolve_device(trainer.device)
-    models = load_models(cfg.model, trainer.beta, device, checkpoint=str(resume_from) if resume_from else None)
+    betas = beta_schedule(trainer.beta)
+    models = load_models(cfg.model, betas.peak, device, checkpoint=str(resume_from) if resume_from else None)
     prompts = PromptSource(cfg.data, models.tokenizer)
     eval_rows = load_eval_rows(cfg.data)
     sampler = make_sampler(cfg.sampler, models.tokenizer)
-    scorer = RewardScorer(cfg.reward.functions)
+    scorer = RewardScorer(cfg.reward.functions, cfg.reward.clip, cfg.reward.normalize_each, trainer.std_eps)
     optimizer = make_optimizer(cfg.optimizer, trainable_parameters(models.policy))
     scheduler = make_scheduler(cfg.optimizer, optimizer, trainer.steps * trainer.num_iterations)
     start_step = 0
@@ -86,24 +89,37 @@ def run(cfg: Any) -> RunResult:
         # exactly what an unbroken one would have.
         torch.manual_seed(trainer.seed * 1_000_003 + step)
         step_started = time.perf_counter()
-        batch = prompts.next_batch()
-        rollout = sampler.sample(models.policy, batch)
-        sampled = time.perf_counter()
-        rewards = scorer.score(rollout)
+        seconds = {"sample": 0.0, "reward": 0.0}
+        rollout, rewards = sample_and_score(sampler, scorer, models, prompts, seconds)
+        if trainer.filter_zero_std:  # DAPO dynamic sampling: only groups whose rewards differ
+            filled = fill_informative_groups(
+                rollout, rewards, lambda: sample_and_score(sampler, scorer, models, prompts, seconds),
+                target=cfg.data.prompts_per_step, max_rounds=trainer.max_resample_rounds,
+                std_threshold=trainer.std_threshold,
+            )
+            rollout, rewards = filled.rollout, filled.rewards
         scored = time.perf_counter()
-        advantages = group_advantages(rewards.total, trainer.std_eps, trainer.std_threshold)
+        advantages = group_advantages(rewards.for_advantages, trainer.std_eps, trainer.std_threshold,
+                                      trainer.advantage)
+        beta = beta_at(betas, step - 1)
         stats = update_policy(
-            models, rollout, advantages, optimizer, scheduler, trainer, cfg.optimizer.max_grad_norm
+            models, rollout, advantages, optimizer, scheduler, trainer, cfg.optimizer.max_grad_norm, beta
         )
         updated = time.perf_counter()
 
-        metrics = step_metrics(rollout, rewards, advantages, stats, trainer.beta, scheduler.get_last_lr()[0])
+        metrics = step_metrics(rollout, rewards, advantages, stats, beta, scheduler.get_last_lr()[0])
+        if trainer.filter_zero_std:
+            metrics.update({
+                "sampling/extra_rounds": filled.extra_rounds,
+                "sampling/informative_groups": filled.informative_groups,
+                "sampling/sampled_groups": filled.sampled_groups,
+            })
         metrics.update({
-            "time/sample": sampled - step_started,
-            "time/reward": scored - sampled,
+            "time/sample": seconds["sample"],
+            "time/reward": seconds["reward"],
             "time/update": updated - scored,
             "time/step": updated - step_started,
-            "tokens_per_second": int(rollout.completion_mask.sum()) / max(sampled - step_started, 1e-9),
+            "tokens_per_second": int(rollout.completion_mask.sum()) / max(seconds["sample"], 1e-9),
         })
         final = step == trainer.steps
         if eval_rows and (final or (trainer.eval_every and step % trainer.eval_every == 0)):
@@ -121,13 +137,26 @@ def run(cfg: Any) -> RunResult:
                     "scheduler": scheduler.state_dict(),
                     "data": prompts.state_dict(),
                 },
-                meta={"reward_mean": metrics["reward/mean"], "kl": metrics["kl"], "beta": trainer.beta},
+                meta={"reward_mean": metrics["reward/mean"], "kl": metrics["kl"], "beta": beta},
                 keep_last=trainer.keep_last,
             )
     log.close()
     summarize(log, step - start_step, time.perf_counter() - started, eval_before, eval_after,
               last_checkpoint, output_dir)
     return RunResult(output_dir, step, eval_before, eval_after, last_checkpoint)
+
+
+def sample_and_score(sampler, scorer: RewardScorer, models: Models, prompts: PromptSource,
+                     seconds: dict[str, float]) -> tuple[Rollout, Rewards]:
+    """The next batch of prompts -> its B x G completions and their rewards; adds the time spent
+    to seconds["sample"] and seconds["reward"]."""
+    started = time.perf_counter()
+    rollout = sampler.sample(models.policy, prompts.next_batch())
+    sampled = time.perf_counter()
+    rewards = scorer.score(rollout)
+    seconds["sample"] += sampled - started
+    seconds["reward"] += time.perf_counter() - sampled
+    return rollout, rewards
 
 
 def find_resume_checkpoint(resume: Any, output_dir: Path) -> Optional[Path]:
@@ -168,6 +197,9 @@ def step_metrics(rollout: Rollout, rewards: Rewards, advantages: Advantages, sta
         "loss": stats.loss,
         "kl": stats.kl,
         "clip_fraction": stats.clip_fraction,
+        "clip/high_fraction": stats.clip_high_fraction,
+        "clip/low_fraction": stats.clip_low_fraction,
+        "ratio/max_deviation": max(stats.ratio_deviation_by_pass),
         "entropy": stats.entropy,
         "grad_norm": stats.grad_norm,
         "skipped_updates": stats.skipped_steps,

@@ -43,9 +43,14 @@ class Rollout:
 
 @dataclass
 class Rewards:
-    total: torch.Tensor  # [B, G] weighted sum over functions (a None counts as 0)
+    total: torch.Tensor  # [B, G] weighted sum over functions (clipped by reward.clip; None counts 0)
     per_function: dict[str, torch.Tensor]  # name -> [B, G], NaN where the function returned None
     errors: dict[str, str] = field(default_factory=dict)  # name -> why its call failed this step
+    shaped: torch.Tensor | None = None  # [B, G] what advantages are computed from (reward.normalize_each); None = total
+
+    @property
+    def for_advantages(self) -> torch.Tensor:  # [B, G]
+        return self.total if self.shaped is None else self.shaped
 
 
 @dataclass
@@ -59,8 +64,12 @@ class UpdateStats:
     """Plain floats for logging, averaged over the micro-batches and iterations of one step."""
 
     loss: float
-    kl: float  # mean per-token KL(pi || ref) estimate (k3); 0 when beta = 0
-    clip_fraction: float  # fraction of completion tokens whose ratio was clipped
+    kl: float  # mean per-token KL(pi || ref) estimate (trainer.kl_estimator); 0 without a reference
+    clip_fraction: float  # fraction of completion tokens whose ratio was clipped (either side)
+    clip_high_fraction: float  # ... clipped at 1 + clip_eps_high (A > 0)
+    clip_low_fraction: float  # ... clipped at 1 - clip_eps (A < 0)
+    clip_fraction_by_pass: list[float]  # [num_iterations]
+    ratio_deviation_by_pass: list[float]  # [num_iterations] max |pi/pi_old - 1| over loss tokens
     entropy: float  # mean per-token entropy of the policy on its own completions
     grad_norm: float  # global gradient norm before clipping (last optimizer step)
     tokens: int  # completion tokens trained on

@@ -14,7 +14,7 @@ import math
 import torch
 
 from grpo_cli.config import TrainerConfig
-from grpo_cli.losses import grpo_loss, token_entropy, token_log_probs
+from grpo_cli.losses import LossSettings, StepSize, grpo_loss, token_entropy, token_log_probs
 from grpo_cli.models import Models, reference_model, trainable_parameters
 from grpo_cli.records import Advantages, Rollout, UpdateStats
 
@@ -41,10 +41,7 @@ def completion_log_probs(
         use_cache=False,
     ).logits[:, :-1]  # [N, T, V]
     log_probs = token_log_probs(logits, completion_ids)
-    entropy = None
-    if with_entropy:
-        with torch.no_grad():
-            entropy = token_entropy(logits)
+    entropy = token_entropy(logits) if with_entropy else None  # no grad
     return log_probs, entropy
 
 
@@ -56,14 +53,28 @@ def update_policy(
     scheduler: torch.optim.lr_scheduler.LRScheduler,
     trainer: TrainerConfig,
     max_grad_norm: float,
+    beta: float,
 ) -> UpdateStats:
+    """Train on one generation batch; `beta` is the KL coefficient in force this step."""
     device, policy = models.device, models.policy
     prompt_ids, prompt_mask = rollout.prompt_ids.to(device), rollout.prompt_mask.to(device)
     completion_ids, mask = rollout.completion_ids.to(device), rollout.completion_mask.to(device)
+    loss_mask = mask
+    if trainer.mask_truncated:  # DAPO's overlong filter: no credit or blame for a cut-off answer
+        loss_mask = mask * (~rollout.truncated).to(device).unsqueeze(1).to(mask.dtype)
     advantage_values = advantages.values.to(device)
     count = completion_ids.shape[0]
     size = trainer.micro_batch_size or count
     chunks = [slice(start, start + size) for start in range(0, count, size)]
+    settings = LossSettings(
+        clip_eps=trainer.clip_eps,
+        clip_eps_high=trainer.clip_eps if trainer.clip_eps_high is None else trainer.clip_eps_high,
+        beta=beta,
+        kl_estimator=trainer.kl_estimator,
+        aggregation=trainer.loss_aggregation,
+    )
+    # The sampler pads every completion to max_new_tokens, so T is Dr. GRPO's constant.
+    step_size = StepSize(sequences=count, tokens=int(loss_mask.sum()), max_new_tokens=completion_ids.shape[1])
 
     def log_probs_of(model, chunk, with_entropy=False):
         return completion_log_probs(
@@ -79,22 +90,30 @@ def update_policy(
         old = [log_probs_of(policy, chunk)[0] for chunk in chunks] if trainer.num_iterations > 1 else None
 
     parameters = trainable_parameters(policy)
-    totals = {"loss": 0.0, "kl_sum": 0.0, "clipped_tokens": 0.0, "tokens": 0.0, "entropy_sum": 0.0}
-    grad_norm, skipped = 0.0, 0
-    for _ in range(trainer.num_iterations):
+    totals = {"loss": 0.0, "kl_sum": 0.0, "clipped_high": 0.0, "clipped_low": 0.0, "tokens": 0.0}
+    entropy_sum, grad_norm, skipped = 0.0, 0.0, 0
+    clip_by_pass, deviation_by_pass = [], []
+    for iteration in range(trainer.num_iterations):
         optimizer.zero_grad(set_to_none=True)
+        pass_clipped, pass_tokens, pass_deviation = 0.0, 0.0, 0.0
         for index, chunk in enumerate(chunks):
-            log_probs, entropy = log_probs_of(policy, chunk, with_entropy=True)
+            log_probs, entropy = log_probs_of(policy, chunk, with_entropy=iteration == 0)
             old_log_probs = old[index] if old is not None else log_probs.detach()
             loss, metrics = grpo_loss(
-                log_probs, old_log_probs, reference[index], advantage_values[chunk], mask[chunk],
-                clip_eps=trainer.clip_eps, beta=trainer.beta, num_sequences=count,
+                log_probs, old_log_probs, reference[index], advantage_values[chunk], loss_mask[chunk],
+                settings, step_size,
             )
             loss.backward()
             totals["loss"] += loss.item()
-            totals["entropy_sum"] += (entropy * mask[chunk]).sum().item()
-            for key, value in metrics.items():
-                totals[key] += float(value)
+            if entropy is not None:
+                entropy_sum += (entropy * loss_mask[chunk]).sum().item()
+            for key in totals.keys() - {"loss"}:
+                totals[key] += float(metrics[key])
+            pass_clipped += float(metrics["clipped_high"] + metrics["clipped_low"])
+            pass_tokens += float(metrics["tokens"])
+            pass_deviation = max(pass_deviation, float(metrics["ratio_max_deviation"]))
+        clip_by_pass.append(pass_clipped / max(pass_tokens, 1.0))
+        deviation_by_pass.append(pass_deviation)
         grad_norm = float(torch.nn.utils.clip_grad_norm_(parameters, max_grad_norm or math.inf))
         if not math.isfinite(grad_norm):
             optimizer.zero_grad(set_to_none=True)
@@ -108,9 +127,13 @@ def update_policy(
     return UpdateStats(
         loss=totals["loss"] / passes,
         kl=totals["kl_sum"] / tokens,
-        clip_fraction=totals["clipped_tokens"] / tokens,
-        entropy=totals["entropy_sum"] / tokens,
+        clip_fraction=(totals["clipped_high"] + totals["clipped_low"]) / tokens,
+        clip_high_fraction=totals["clipped_high"] / tokens,
+        clip_low_fraction=totals["clipped_low"] / tokens,
+        clip_fraction_by_pass=clip_by_pass,
+        ratio_deviation_by_pass=deviation_by_pass,
+        entropy=entropy_sum / max(step_size.tokens, 1),
         grad_norm=grad_norm,
-        tokens=int(totals["tokens"] / passes),
+        tokens=step_size.tokens,
         skipped_steps=skipped,
     )

@@ -17,6 +17,7 @@ import torch
 from hydra.utils import get_method
 from omegaconf import OmegaConf
 
+from grpo_cli.advantages import combine_rewards
 from grpo_cli.config import ConfigError
 from grpo_cli.records import Rewards, Rollout
 
@@ -106,8 +107,15 @@ def _as_score(value: Any) -> Any:
 
 
 class RewardScorer:
-    def __init__(self, entries: Any):
+    """Scores completions with the configured functions (reward.functions) and combines them
+    with reward.clip and reward.normalize_each (see combine_rewards)."""
+
+    def __init__(self, entries: Any, clip: Any = None, normalize_each: bool = False, std_eps: float = 1e-4):
         self.functions = build_reward_functions(entries)
+        self.weights = {function.name: function.weight for function in self.functions}
+        self.clip = (float(clip[0]), float(clip[1])) if clip is not None else None
+        self.normalize_each = normalize_each
+        self.std_eps = std_eps
 
     @property
     def names(self) -> list[str]:
@@ -116,16 +124,21 @@ class RewardScorer:
     def score_texts(self, prompts: list[str], completions: list[str],
                     columns: dict[str, list[Any]], shape: tuple[int, ...]) -> Rewards:
         per_function, errors = {}, {}
-        total = torch.zeros(len(completions))
         for function in self.functions:
             values, error = call_reward(function, prompts, completions, columns)
             if error is not None:
                 errors[function.name] = error
             scores = torch.tensor([math.nan if v is None else v for v in values], dtype=torch.float32)
             per_function[function.name] = scores.view(shape)
-            total += function.weight * torch.nan_to_num(scores, nan=0.0)  # None adds nothing
-        return Rewards(total=total.view(shape), per_function=per_function, errors=errors)
+        total = combine_rewards(per_function, self.weights, self.clip)  # None adds nothing
+        return Rewards(total=total, per_function=per_function, errors=errors)
 
     def score(self, rollout: Rollout) -> Rewards:
+        """Rewards of a rollout's B x G completions; with normalize_each also `shaped`, the sum
+        of per-function group z-scores that the advantages are computed from."""
         shape = (rollout.num_prompts, rollout.group_size)
-        return self.score_texts(rollout.prompts, rollout.completions, rollout.columns, shape)
+        rewards = self.score_texts(rollout.prompts, rollout.completions, rollout.columns, shape)
+        if self.normalize_each:
+            rewards.shaped = combine_rewards(rewards.per_function, self.weights, self.clip,
+                                             normalize_each=True, std_eps=self.std_eps)
+        return rewards

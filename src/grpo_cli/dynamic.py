@@ -1,0 +1,132 @@
+"""Stage 3b, dynamic sampling (DAPO, Yu et al. 2025): with trainer.filter_zero_std, a step trains
+only on groups whose rewards differ.
+
+A group whose G rewards are all equal (every completion right, or every one wrong) has zero
+advantages: it adds no policy gradient, only dilutes the step. So such groups are dropped and
+more prompts are sampled, one batch of prompts_per_step at a time, until the step has
+prompts_per_step informative groups or `max_resample_rounds` extra rounds were spent. A step
+still short after that is topped up with uninformative groups (A = 0, only the KL term acts on
+them) so that every step trains on the same number of completions; the shortfall is logged.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from grpo_cli.records import Rewards, Rollout
+
+
+@dataclass
+class FilledStep:
+    rollout: Rollout  # [target*G] completions, informative groups first
+    rewards: Rewards  # [target, G]
+    extra_rounds: int  # sampling rounds beyond the first
+    informative_groups: int  # informative groups in the step (== target unless the cap was hit)
+    sampled_groups: int  # groups sampled this step, kept or not
+
+
+def informative_groups(rewards: Rewards, std_threshold: float) -> torch.Tensor:
+    """[B] bool: groups whose reward spread can move the policy (the same test as A = 0)."""
+    return rewards.for_advantages.std(dim=1) >= std_threshold
+
+
+def fill_informative_groups(
+    rollout: Rollout,
+    rewards: Rewards,
+    draw: Callable[[], tuple[Rollout, Rewards]],  # samples and scores one more batch of prompts
+    target: int,
+    max_rounds: int,
+    std_threshold: float,
+) -> FilledStep:
+    kept: list[tuple[Rollout, Rewards, list[int]]] = []
+    spare: list[tuple[Rollout, Rewards, list[int]]] = []
+    found, rounds, sampled = 0, 0, 0
+    errors: dict[str, str] = {}
+    while True:
+        errors.update(rewards.errors)  # reported even when the round's groups are all dropped
+        flags = informative_groups(rewards, std_threshold).tolist()
+        sampled += len(flags)
+        useful = [group for group, flag in enumerate(flags) if flag][: target - found]
+        kept.append((rollout, rewards, useful))
+        spare.append((rollout, rewards, [group for group, flag in enumerate(flags) if not flag]))
+        found += len(useful)
+        if found >= target or rounds >= max_rounds:
+            break
+        rollout, rewards = draw()
+        rounds += 1
+    missing = target - found
+    for part_rollout, part_rewards, groups in spare:
+        if missing <= 0:
+            break
+        kept.append((part_rollout, part_rewards, groups[:missing]))
+        missing -= len(groups[:missing])
+    merged_rollout, merged_rewards = merge_groups([part for part in kept if part[2]])
+    merged_rewards.errors = errors
+    return FilledStep(merged_rollout, merged_rewards, rounds, found, sampled)
+
+
+def merge_groups(parts: list[tuple[Rollout, Rewards, list[int]]]) -> tuple[Rollout, Rewards]:
+    """The chosen groups of several rollouts as one Rollout and one Rewards, in order.
+
+    Prompts of different rounds were padded to different lengths: prompt ids are left-padded
+    and completions right-padded to the longest, with mask 0 (the padded ids are never attended).
+    """
+    group_size = parts[0][0].group_size
+    rollouts, rewards = [], []
+    for rollout, reward, groups in parts:
+        rows = [group * group_size + member for group in groups for member in range(group_size)]
+        rollouts.append(_select_rows(rollout, rows))
+        rewards.append(_select_groups(reward, groups))
+    prompt_length = max(r.prompt_ids.shape[1] for r in rollouts)
+    completion_length = max(r.completion_ids.shape[1] for r in rollouts)
+
+    def pad(tensor: torch.Tensor, length: int, left: bool) -> torch.Tensor:
+        missing = length - tensor.shape[1]
+        return torch.nn.functional.pad(tensor, (missing, 0) if left else (0, missing), value=0)
+
+    merged_rollout = Rollout(
+        prompt_ids=torch.cat([pad(r.prompt_ids, prompt_length, True) for r in rollouts]),
+        prompt_mask=torch.cat([pad(r.prompt_mask, prompt_length, True) for r in rollouts]),
+        completion_ids=torch.cat([pad(r.completion_ids, completion_length, False) for r in rollouts]),
+        completion_mask=torch.cat([pad(r.completion_mask, completion_length, False) for r in rollouts]),
+        truncated=torch.cat([r.truncated for r in rollouts]),
+        prompts=[text for r in rollouts for text in r.prompts],
+        completions=[text for r in rollouts for text in r.completions],
+        columns={key: [v for r in rollouts for v in r.columns[key]] for key in rollouts[0].columns},
+        group_size=group_size,
+    )
+    merged_rewards = Rewards(
+        total=torch.cat([r.total for r in rewards]),
+        per_function={name: torch.cat([r.per_function[name] for r in rewards]) for name in rewards[0].per_function},
+        errors={name: why for r in rewards for name, why in r.errors.items()},
+        shaped=None if rewards[0].shaped is None else torch.cat([r.shaped for r in rewards]),
+    )
+    return merged_rollout, merged_rewards
+
+
+def _select_rows(rollout: Rollout, rows: list[int]) -> Rollout:
+    index = torch.tensor(rows, dtype=torch.long)
+    return Rollout(
+        prompt_ids=rollout.prompt_ids[index],
+        prompt_mask=rollout.prompt_mask[index],
+        completion_ids=rollout.completion_ids[index],
+        completion_mask=rollout.completion_mask[index],
+        truncated=rollout.truncated[index],
+        prompts=[rollout.prompts[row] for row in rows],
+        completions=[rollout.completions[row] for row in rows],
+        columns={key: [values[row] for row in rows] for key, values in rollout.columns.items()},
+        group_size=rollout.group_size,
+    )
+
+
+def _select_groups(rewards: Rewards, groups: list[int]) -> Rewards:
+    index = torch.tensor(groups, dtype=torch.long)
+    return Rewards(
+        total=rewards.total[index],
+        per_function={name: values[index] for name, values in rewards.per_function.items()},
+        errors=dict(rewards.errors),
+        shaped=None if rewards.shaped is None else rewards.shaped[index],
+    )

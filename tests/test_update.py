@@ -1,0 +1,68 @@
+"""The update stage on the tiny model, in process: mu passes over one generation batch, the
+truncated-completion mask, and every KL estimator."""
+
+from __future__ import annotations
+
+import pytest
+
+from helpers import config, one_step
+
+
+def test_single_pass_is_on_policy_and_never_clips(tiny_model_dir):
+    # mu = 1: the old policy is the current one, rho = exp(logp - logp.detach()) = 1 exactly.
+    _, _, stats, _, _ = one_step(config(tiny_model_dir, "trainer.num_iterations=1"))
+    assert stats.ratio_deviation_by_pass == [0.0] and stats.clip_fraction_by_pass == [0.0]
+
+
+def test_second_pass_sees_real_ratios_and_the_clip_bites(tiny_model_dir):
+    # Old log-probs are computed once before pass 1, so pass 1 has rho = 1 (up to float noise);
+    # a large step (lr 5e-2) then moves the policy, and with clip_eps 0.05 pass 2 must clip.
+    cfg = config(tiny_model_dir, "trainer.num_iterations=2", "trainer.clip_eps=0.05",
+                 "trainer.beta=0", "optimizer.lr=5e-2", "sampler.max_new_tokens=8")
+    _, _, stats, changed, _ = one_step(cfg)
+    first, second = stats.ratio_deviation_by_pass
+    assert first < 1e-4 and stats.clip_fraction_by_pass[0] == 0.0
+    assert second > 0.05 and stats.clip_fraction_by_pass[1] > 0.0
+    assert stats.clip_fraction > 0 and changed > 0
+
+
+def make_first_group_truncated(rollout):
+    rollout.truncated[: rollout.group_size] = True
+
+
+def test_mask_truncated_leaves_truncated_completions_out_of_the_loss(tiny_model_dir):
+    kept = one_step(config(tiny_model_dir, "trainer.mask_truncated=false"), make_first_group_truncated)
+    masked = one_step(config(tiny_model_dir, "trainer.mask_truncated=true"), make_first_group_truncated)
+    rollout = masked[1]  # the same draw in both runs (same seed)
+    assert rollout.truncated[: rollout.group_size].all()
+    # Some others ran out of the 4 new tokens by themselves: those are left out as well.
+    finished_tokens = int(rollout.completion_mask[~rollout.truncated].sum())
+    assert kept[2].tokens == int(rollout.completion_mask.sum())
+    assert 0 < masked[2].tokens == finished_tokens < kept[2].tokens
+
+
+def test_when_every_completion_is_truncated_and_masked_nothing_is_learned(tiny_model_dir):
+    def truncate_all(rollout):
+        rollout.truncated[:] = True
+
+    cfg = config(tiny_model_dir, "trainer.mask_truncated=true", "trainer.beta=0")
+    _, _, stats, changed, _ = one_step(cfg, truncate_all)
+    assert stats.tokens == 0 and stats.grad_norm == 0.0 and changed == 0
+
+
+@pytest.mark.parametrize("estimator", ["k1", "k2", "k3"])
+def test_every_kl_estimator_trains_and_reports_kl(tiny_model_dir, estimator):
+    # mu = 2 so the second pass is off the reference and the KL estimate is not 0.
+    cfg = config(tiny_model_dir, f"trainer.kl_estimator={estimator}", "trainer.beta=0.1",
+                 "trainer.num_iterations=2")
+    models, _, stats, changed, total = one_step(cfg)
+    assert models.uses_kl and changed == total
+    assert stats.kl != 0.0 and stats.loss == stats.loss  # not NaN
+    if estimator != "k1":  # k2 and k3 are never negative; k1 can be
+        assert stats.kl > 0
+
+
+def test_a_beta_schedule_that_starts_at_zero_still_loads_the_reference(tiny_model_dir):
+    cfg = config(tiny_model_dir, "trainer.beta={start: 0.0, end: 0.05, warmup_steps: 10}")
+    models, _, stats, _, _ = one_step(cfg)
+    assert models.uses_kl and stats.kl == 0.0  # beta 0 at step 0, policy == reference on pass 1
