@@ -123,6 +123,21 @@ def test_lora_run_saves_a_peft_adapter_that_loads(tmp_path, tiny_model_dir):
     assert rows[-1]["kl"] >= 0.0  # reference = the base with the adapter off
 
 
+def test_dapo_with_a_beta_schedule_logs_the_beta_in_force_and_the_sampling_rounds(tmp_path, tiny_model_dir):
+    # algorithm=dapo sets beta 0; the command line wins with a schedule: 0.04 at the first
+    # update, 0.02 after 1 of 2 warmup steps, 0.0 from the third step on.
+    run_dir = tmp_path / "dapo"
+    grpo_train(*QUICK, "algorithm=dapo", "trainer.steps=3", "trainer.num_iterations=2",
+               "trainer.beta={start: 0.04, end: 0.0, warmup_steps: 2}", f"hydra.run.dir={run_dir}")
+    rows = read_metrics(run_dir)[1:]
+    assert [row["beta"] for row in rows] == pytest.approx([0.04, 0.02, 0.0])
+    for row in rows:
+        assert row["sampling/informative_groups"] <= 4 and row["sampling/sampled_groups"] >= 4
+        assert {"clip/high_fraction", "clip/low_fraction", "ratio/max_deviation"} <= set(row)
+    saved = OmegaConf.load(run_dir / "config.yaml").trainer
+    assert (saved.loss_aggregation, saved.clip_eps_high, saved.mask_truncated) == ("token_mean", 0.28, True)
+
+
 def test_missing_model_fails_fast_with_a_clear_message(tmp_path):
     result = grpo_train("model.name_or_path=Qwen/Qwen2.5-7B-Instruct", "trainer.steps=1",
                         f"hydra.run.dir={tmp_path}", check=False)
