@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 import pytest
@@ -99,7 +100,15 @@ def test_a_wrong_type_is_rejected_by_the_schema():
         (["trainer.beta={start: 0.05, stop: 0.02}"], "unknown keys ['stop']"),
         (["trainer.beta={end: 0.02}"], "needs `start`"),
         (["trainer.beta={start: 0.05, shape: exp}"], "trainer.beta.shape='exp'"),
-        (["trainer.beta={start: 0.05, warmup_steps: -3}"], "must be numbers >= 0"),
+        (["trainer.beta={start: 0.05, warmup_steps: -3}"], "must be finite numbers >= 0"),
+        (["trainer.beta={start: 0.05, warmup_steps: 0.5}"], "trainer.beta.warmup_steps=0.5"),
+        (["trainer.beta=nan"], "trainer.beta=nan"),
+        (["trainer.beta=inf"], "trainer.beta=inf"),
+        (["trainer.kl_estimator=K3"], "trainer.kl_estimator='K3'"),
+        (["trainer.advantage=RLOO"], "trainer.advantage='RLOO'"),
+        (["trainer.std_threshold=-1"], "trainer.std_threshold=-1"),
+        (["trainer.clip_eps_high=nan"], "trainer.clip_eps_high=nan"),
+        (["reward.clip=[nan,1]"], "reward.clip="),
         (["trainer.clip_eps=1.5"], "trainer.clip_eps=1.5"),
         (["trainer.clip_eps_high=-0.1"], "trainer.clip_eps_high=-0.1"),
         (["trainer.max_resample_rounds=-1"], "trainer.max_resample_rounds=-1"),
@@ -126,6 +135,17 @@ def test_algorithm_presets_set_the_variant_keys_and_win_over_the_run_preset():
         "grpo", "sequence_mean", "k3", None)
     # The command line still wins over the algorithm preset.
     assert make(["algorithm=dapo", "trainer.clip_eps_high=0.3"]).trainer.clip_eps_high == 0.3
+
+
+def test_a_run_preset_keeps_its_own_algorithm_keys_under_the_default_algorithm(tmp_path):
+    # algorithm=grpo (the default) sets nothing, so a preset choosing rloo and k2 keeps them.
+    conf = tmp_path / "conf"
+    shutil.copytree(CONF, conf)
+    (conf / "conf" / "mine.yaml").write_text(
+        "# @package _global_\ntrainer:\n  advantage: rloo\n  kl_estimator: k2\n  mask_truncated: true\n")
+    with initialize_config_dir(config_dir=str(conf), version_base="1.3"):
+        trainer = compose(config_name="config", overrides=["conf=mine"]).trainer
+    assert (trainer.advantage, trainer.kl_estimator, trainer.mask_truncated) == ("rloo", "k2", True)
 
 
 def test_a_beta_schedule_composes_from_the_command_line():

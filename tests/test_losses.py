@@ -115,3 +115,21 @@ def test_completion_mask_counts_up_to_and_including_the_first_eos():
     mask, truncated = completion_mask(ids, eos_token_id=9)
     assert mask.tolist() == [[1, 1, 0, 0], [1, 1, 1, 1], [1, 0, 0, 0]]
     assert truncated.tolist() == [False, True, False]
+
+
+def test_extreme_log_probs_outside_the_mask_cannot_poison_the_loss():
+    # Padding after EOS is outside the mask; there the reference says log-prob 0 and the policy
+    # -200: e^(0 - -200) overflows to inf, and inf * 0 would be NaN. Masked positions compare
+    # the policy with itself, so loss and gradient stay finite and equal the unpadded ones.
+    log_probs = torch.tensor([[-1.0, -200.0]], requires_grad=True)
+    old = torch.tensor([[-1.1, -1.0]])
+    ref = torch.tensor([[-0.9, 0.0]])
+    mask = torch.tensor([[1, 0]])
+    loss, metrics = grpo_loss(log_probs, old, ref, torch.tensor([1.0]), mask, paper(beta=0.1), size(1))
+    loss.backward()
+    short = torch.tensor([[-1.0]], requires_grad=True)
+    expected, _ = grpo_loss(short, old[:, :1], ref[:, :1], torch.tensor([1.0]), mask[:, :1], paper(beta=0.1), size(1))
+    expected.backward()
+    assert torch.isfinite(loss) and loss.item() == pytest.approx(expected.item())
+    assert log_probs.grad[0, 1] == 0.0 and log_probs.grad[0, 0] == pytest.approx(short.grad[0, 0].item())
+    assert torch.isfinite(metrics["kl_sum"])

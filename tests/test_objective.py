@@ -505,3 +505,26 @@ def test_token_log_probs_memory_scales_with_chunk_times_vocab_not_batch_times_le
     with LargestFloat32Output() as naive:
         torch.log_softmax(logits.float(), dim=-1).gather(-1, tokens.unsqueeze(-1)).sum().backward()
     assert naive.largest == batch * length * vocab
+
+
+@pytest.mark.parametrize("temperature", [0.7, 1.3])
+def test_log_probs_and_entropy_at_the_sampling_temperature(temperature):
+    # pi = softmax(logits / T): the value and gradient of log pi(token) must match autograd
+    # through log_softmax(logits / T); the entropy is that of the same distribution. The logits
+    # carry one more position than the tokens (the model's last), which must be ignored.
+    torch.manual_seed(3)
+    logits = torch.randn(2, 4, 11, dtype=F64, requires_grad=True)
+    tokens = torch.randint(0, 11, (2, 3))
+    ours = token_log_probs(logits, tokens, temperature, chunk_rows=2)
+    weights = torch.randn(2, 3, dtype=F64)
+    (ours * weights).sum().backward()
+    ours_grad = logits.grad.clone()
+    logits.grad = None
+    reference = torch.log_softmax(logits[:, :3] / temperature, dim=-1).gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+    (reference * weights).sum().backward()
+    assert torch.allclose(ours, reference, atol=1e-12)
+    assert torch.allclose(ours_grad, logits.grad, atol=1e-12)
+    assert torch.equal(ours_grad[:, 3], torch.zeros(2, 11, dtype=F64))
+    probs = torch.softmax(logits.detach()[:, :3] / temperature, dim=-1)
+    entropy = -(probs * probs.log()).sum(-1)
+    assert torch.allclose(token_entropy(logits.detach(), 3, temperature, chunk_rows=2), entropy, atol=1e-12)

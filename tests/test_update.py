@@ -4,7 +4,10 @@ truncated-completion mask, and every KL estimator."""
 from __future__ import annotations
 
 import pytest
+import torch
 
+from grpo_cli.models import load_models
+from grpo_cli.update import completion_log_probs
 from helpers import config, one_step
 
 
@@ -24,6 +27,26 @@ def test_second_pass_sees_real_ratios_and_the_clip_bites(tiny_model_dir):
     assert first < 1e-4 and stats.clip_fraction_by_pass[0] == 0.0
     assert second > 0.05 and stats.clip_fraction_by_pass[1] > 0.0
     assert stats.clip_fraction > 0 and changed > 0
+
+
+@pytest.mark.parametrize("disable_dropout", [True, False])
+def test_with_dropout_disabled_two_training_forwards_agree(tiny_model_dir, disable_dropout):
+    # LoRA with dropout 0.5 and a non-zero adapter: if dropout stayed on, the old log-probs and
+    # pass 1's would come from different random sub-networks and rho != 1 before any update.
+    cfg = config(tiny_model_dir, "model.lora.enabled=true", "model.lora.dropout=0.5",
+                 f"model.disable_dropout={disable_dropout}")
+    models = load_models(cfg.model, 0.0, torch.device("cpu"))
+    with torch.no_grad():
+        for name, parameter in models.policy.named_parameters():
+            if "lora_B" in name:  # a fresh adapter's B is 0, which would hide the dropout
+                parameter.normal_(std=0.5)
+    ids = torch.tensor([[5, 6, 7, 8], [9, 10, 11, 12]])
+    ones = torch.ones_like(ids)
+    models.policy.train()
+    with torch.no_grad():
+        first, _ = completion_log_probs(models.policy, ids, ones, ids, ones)
+        second, _ = completion_log_probs(models.policy, ids, ones, ids, ones)
+    assert torch.equal(first, second) == disable_dropout
 
 
 def make_first_group_truncated(rollout):
@@ -47,7 +70,9 @@ def test_when_every_completion_is_truncated_and_masked_nothing_is_learned(tiny_m
 
     cfg = config(tiny_model_dir, "trainer.mask_truncated=true", "trainer.beta=0")
     _, _, stats, changed, _ = one_step(cfg, truncate_all)
-    assert stats.tokens == 0 and stats.grad_norm == 0.0 and changed == 0
+    # No optimizer step at all (AdamW would still apply weight decay and momentum): skipped.
+    assert stats.tokens == 0 and stats.skipped_steps == 1 and changed == 0
+    assert stats.entropy is None and stats.clip_fraction is None  # nothing measured, not "0"
 
 
 @pytest.mark.parametrize("estimator", ["k1", "k2", "k3"])

@@ -10,6 +10,7 @@ raises one `ConfigError` naming every key involved.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, List, Optional
@@ -34,6 +35,7 @@ class LoraConfig:
     alpha: int = 32
     """LoRA scaling numerator (scale = alpha / r)."""
     dropout: float = 0.05
+    """Adapter dropout; only in effect with model.disable_dropout=false."""
     target_modules: List[str] = field(
         default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"]
     )
@@ -51,6 +53,9 @@ class ModelConfig:
     """none | 8bit | 4bit (bitsandbytes). Quantized weights cannot be trained: needs lora.enabled."""
     gradient_checkpointing: bool = False
     """Recompute activations in the backward pass: less memory, about a third more compute."""
+    disable_dropout: bool = True
+    """Set every dropout layer to p = 0 (as TRL's disable_dropout): with dropout, the ratio
+    pi/pi_old and the KL compare two random sub-networks, so rho != 1 even before any update."""
     trust_remote_code: bool = False
     """Allow model code shipped inside the model folder to run. Off unless you trust the source."""
 
@@ -206,6 +211,8 @@ CHOICES = {
     "model.quantization": ("none", "8bit", "4bit"),
     "data.use_chat_template": ("auto", "true", "false"),
     "optimizer.scheduler": ("constant", "linear", "cosine"),
+}
+EXACT_CHOICES = {  # read as written by the loss code, so compared case-sensitively
     "trainer.advantage": ADVANTAGE_MODES,
     "trainer.loss_aggregation": AGGREGATIONS,
     "trainer.kl_estimator": KL_ESTIMATORS,
@@ -224,10 +231,11 @@ def validate(cfg: Any, check_files: bool = True) -> None:
     def lower(value: Any) -> str:
         return str(value).lower()
 
-    for key, allowed in CHOICES.items():
-        group, name = key.split(".")
-        if lower(cfg[group][name]) not in allowed:
-            problems.append(f"{key}={cfg[group][name]!r} is not one of {', '.join(allowed)}.")
+    for choices, normalize in ((CHOICES, lower), (EXACT_CHOICES, str)):
+        for key, allowed in choices.items():
+            group, name = key.split(".")
+            if normalize(cfg[group][name]) not in allowed:
+                problems.append(f"{key}={cfg[group][name]!r} is not one of {', '.join(allowed)}.")
 
     sampler, trainer, data = cfg.sampler, cfg.trainer, cfg.data
     if sampler.group_size < 2:
@@ -256,6 +264,7 @@ def validate(cfg: Any, check_files: bool = True) -> None:
     non_negative = {
         "trainer.clip_eps": trainer.clip_eps,
         "trainer.max_resample_rounds": trainer.max_resample_rounds,
+        "trainer.std_threshold": trainer.std_threshold,
         "trainer.checkpoint_every": trainer.checkpoint_every,
         "trainer.log_every": trainer.log_every,
         "trainer.eval_every": trainer.eval_every,
@@ -265,10 +274,10 @@ def validate(cfg: Any, check_files: bool = True) -> None:
         "optimizer.warmup_steps": cfg.optimizer.warmup_steps,
         "optimizer.max_grad_norm": cfg.optimizer.max_grad_norm,
     }
-    problems += [f"{key}={value} must be >= 0." for key, value in non_negative.items() if value < 0]
+    problems += [f"{key}={value} must be >= 0." for key, value in non_negative.items() if not value >= 0]
     if trainer.clip_eps >= 1:
         problems.append(f"trainer.clip_eps={trainer.clip_eps} must be below 1 (the ratio is clipped at 1 - clip_eps).")
-    if trainer.clip_eps_high is not None and trainer.clip_eps_high < 0:
+    if trainer.clip_eps_high is not None and not 0 <= trainer.clip_eps_high < math.inf:
         problems.append(f"trainer.clip_eps_high={trainer.clip_eps_high} must be >= 0 (or null for clip_eps).")
     problems += _beta_problems(trainer.beta)
     problems += _clip_problems(cfg.reward.clip)
@@ -350,12 +359,14 @@ def _beta_problems(beta: Any) -> list[str]:
             return [f"trainer.beta={beta}: " + (f"unknown keys {unknown}; " if unknown else "needs `start`; ")
                     + f"the schedule keys are {', '.join(BETA_KEYS)}."]
         numbers = {key: beta[key] for key in ("start", "end", "warmup_steps") if key in beta}
-        if any(not _is_number(v) or v < 0 for v in numbers.values()):
-            return [f"trainer.beta={beta}: start, end and warmup_steps must be numbers >= 0."]
+        if any(not _is_number(v) or not 0 <= v < math.inf for v in numbers.values()):
+            return [f"trainer.beta={beta}: start, end and warmup_steps must be finite numbers >= 0."]
+        if not float(beta.get("warmup_steps", 0)).is_integer():
+            return [f"trainer.beta.warmup_steps={beta['warmup_steps']} must be a whole number of steps."]
         if str(beta.get("shape", "linear")) not in BETA_SHAPES:
             return [f"trainer.beta.shape={beta.get('shape')!r} is not one of {', '.join(BETA_SHAPES)}."]
         return []
-    if not _is_number(beta) or beta < 0:
+    if not _is_number(beta) or not 0 <= beta < math.inf:
         return [f"trainer.beta={beta!r}: {hint}."]
     return []
 
@@ -364,7 +375,8 @@ def _clip_problems(clip: Any) -> list[str]:
     if clip is None:
         return []
     values = list(clip) if not isinstance(clip, (str, bytes)) and hasattr(clip, "__iter__") else None
-    if values is None or len(values) != 2 or not all(_is_number(v) for v in values) or values[0] >= values[1]:
+    if (values is None or len(values) != 2 or not all(_is_number(v) and math.isfinite(v) for v in values)
+            or values[0] >= values[1]):
         return [f"reward.clip={clip!r} must be [low, high] with low < high, e.g. reward.clip=[-5,5] (or null)."]
     return []
 

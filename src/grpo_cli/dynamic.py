@@ -97,6 +97,7 @@ def merge_groups(parts: list[tuple[Rollout, Rewards, list[int]]]) -> tuple[Rollo
         completions=[text for r in rollouts for text in r.completions],
         columns={key: [v for r in rollouts for v in r.columns[key]] for key in rollouts[0].columns},
         group_size=group_size,
+        temperature=rollouts[0].temperature,
     )
     merged_rewards = Rewards(
         total=torch.cat([r.total for r in rewards]),
@@ -119,6 +120,7 @@ def _select_rows(rollout: Rollout, rows: list[int]) -> Rollout:
         completions=[rollout.completions[row] for row in rows],
         columns={key: [values[row] for row in rows] for key, values in rollout.columns.items()},
         group_size=rollout.group_size,
+        temperature=rollout.temperature,
     )
 
 

@@ -19,7 +19,10 @@ Departures from the paper, none of which change the formula:
 - With num_iterations = 1 the "old" policy is the current one: rho = exp(logp - logp.detach()),
   which is 1 in value but still carries the gradient, exactly as the paper's single-pass case.
 - KL is computed per token inside the loss (not as a penalty on the reward).
-- Log-probs are those of the policy itself (temperature 1), whatever temperature sampled them.
+- pi is the distribution that sampled, softmax(logits / sampler.temperature), for the policy,
+  pi_old and the reference alike (as TRL and verl do), so the tokens are samples of the pi
+  in the formula and the ratio and the KL compare like with like.
+- Positions outside the loss mask compare the policy with itself (ratio 1, KL 0).
 """
 
 from __future__ import annotations
@@ -36,8 +39,16 @@ AGGREGATIONS = ("sequence_mean", "token_mean", "constant")
 LOGIT_CHUNK_ELEMENTS = 1 << 24  # float32 elements per chunk of logits (64 MiB): rows = this / vocab
 
 
-def _chunk_rows(vocab: int, chunk_rows: int | None) -> int:
-    return chunk_rows or max(1, LOGIT_CHUNK_ELEMENTS // vocab)
+def _blocks(logits: torch.Tensor, length: int, chunk_rows: int | None):
+    """(sequences, positions) index pairs covering [N, length] in blocks of about chunk_rows
+    positions: whole sequences at a time when they fit, else pieces of one sequence."""
+    count, vocab = logits.shape[0], logits.shape[-1]
+    rows = chunk_rows or max(1, LOGIT_CHUNK_ELEMENTS // vocab)
+    sequences = max(1, rows // max(length, 1))
+    positions = length if sequences > 1 else min(length, rows)
+    for first in range(0, count, sequences):
+        for start in range(0, length, positions):
+            yield slice(first, first + sequences), slice(start, min(start + positions, length))
 
 
 def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -46,64 +57,63 @@ def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
 
 
 class _TokenLogProbs(torch.autograd.Function):
-    """log softmax(logits)[token], row chunk by row chunk.
+    """log softmax(logits / temperature)[token], block by block.
 
-    The upcast copy of the logits and the softmax exist for `chunk_rows` rows at a time, in the
-    forward and again in the backward, instead of a [rows, vocab] float32 tensor kept for autograd:
-    the extra memory grows with batch x length, not with the vocabulary (152k for Qwen2.5).
-    d/dlogits (logit[token] - logsumexp(logits)) = onehot(token) - softmax(logits).
+    The upcast copy of the logits and the softmax exist for one block of about `chunk_rows`
+    positions at a time, in the forward and again in the backward, instead of a [N, T, V]
+    float32 tensor kept for autograd; the logits themselves are read in place (no reshape copy,
+    no slice), so the extra memory grows with batch x length, not with the vocabulary (152k for
+    Qwen2.5). With x = logits / temperature:
+    d/dlogits (x[token] - logsumexp(x)) = (onehot(token) - softmax(x)) / temperature.
     """
 
     @staticmethod
-    def forward(ctx, logits: torch.Tensor, tokens: torch.Tensor, chunk_rows: int) -> torch.Tensor:
+    def forward(ctx, logits, tokens, temperature, chunk_rows):  # [N, L, V], [N, T] with T <= L
         dtype = _compute_dtype(logits.dtype)
-        out = torch.empty(logits.shape[0], dtype=dtype, device=logits.device)
-        for start in range(0, logits.shape[0], chunk_rows):
-            rows = slice(start, start + chunk_rows)
-            chunk = logits[rows].to(dtype)
-            out[rows] = chunk.gather(1, tokens[rows].unsqueeze(1)).squeeze(1) - torch.logsumexp(chunk, dim=1)
+        out = torch.empty(tokens.shape, dtype=dtype, device=logits.device)
+        for seqs, pos in _blocks(logits, tokens.shape[1], chunk_rows):
+            block = logits[seqs, pos].to(dtype) / temperature
+            picked = block.gather(-1, tokens[seqs, pos].unsqueeze(-1)).squeeze(-1)
+            out[seqs, pos] = picked - torch.logsumexp(block, dim=-1)
         ctx.save_for_backward(logits, tokens)
-        ctx.chunk_rows = chunk_rows
+        ctx.temperature, ctx.chunk_rows = temperature, chunk_rows
         return out
 
     @staticmethod
-    def backward(ctx, grad_out: torch.Tensor):
+    def backward(ctx, grad_out):
         logits, tokens = ctx.saved_tensors
-        grad = torch.empty_like(logits)
-        for start in range(0, logits.shape[0], ctx.chunk_rows):
-            rows = slice(start, start + ctx.chunk_rows)
-            weight = grad_out[rows].unsqueeze(1)  # [rows, 1]
-            chunk_grad = torch.softmax(logits[rows].to(grad_out.dtype), dim=1).mul_(-weight)
-            chunk_grad.scatter_add_(1, tokens[rows].unsqueeze(1), weight)
-            grad[rows] = chunk_grad.to(grad.dtype)
-        return grad, None, None
+        grad = torch.zeros_like(logits)  # positions past T (the logit after the last token) get 0
+        for seqs, pos in _blocks(logits, tokens.shape[1], ctx.chunk_rows):
+            weight = grad_out[seqs, pos].unsqueeze(-1) / ctx.temperature  # [n, t, 1]
+            block = torch.softmax(logits[seqs, pos].to(grad_out.dtype) / ctx.temperature, dim=-1)
+            block.mul_(-weight).scatter_add_(-1, tokens[seqs, pos].unsqueeze(-1), weight)
+            grad[seqs, pos] = block.to(grad.dtype)
+        return grad, None, None, None
 
 
-def token_log_probs(logits: torch.Tensor, tokens: torch.Tensor, chunk_rows: int | None = None) -> torch.Tensor:
-    """log pi(token) at each position. logits: [N, T, V] (predicting tokens [N, T]) -> [N, T].
+def token_log_probs(logits: torch.Tensor, tokens: torch.Tensor, temperature: float = 1.0,
+                    chunk_rows: int | None = None) -> torch.Tensor:
+    """log pi(token) at each position, pi = softmax(logits / temperature).
 
-    float32 (float64 for float64 logits); see _TokenLogProbs for why it is chunked.
+    logits: [N, L, V] with L >= T, position t predicting tokens[:, t] ([N, T]); positions past
+    T are ignored (so the caller need not slice off the model's last logit, which would copy).
+    Returns [N, T] in float32 (float64 for float64 logits); see _TokenLogProbs for the memory.
     """
-    batch, length, vocab = logits.shape
-    flat = _TokenLogProbs.apply(logits.reshape(-1, vocab), tokens.reshape(-1), _chunk_rows(vocab, chunk_rows))
-    return flat.view(batch, length)
+    return _TokenLogProbs.apply(logits, tokens, temperature, chunk_rows)
 
 
 @torch.no_grad()
-def token_entropy(logits: torch.Tensor, chunk_rows: int | None = None) -> torch.Tensor:
-    """Entropy of the next-token distribution at each position: [N, T, V] -> [N, T]. No gradient.
-
-    H = logsumexp(x) - sum softmax(x) * x, chunked like token_log_probs.
+def token_entropy(logits: torch.Tensor, length: int | None = None, temperature: float = 1.0,
+                  chunk_rows: int | None = None) -> torch.Tensor:
+    """Entropy of softmax(logits / temperature) at the first `length` positions (all if None):
+    [N, L, V] -> [N, length]. No gradient. H = logsumexp(x) - sum softmax(x) * x, by blocks.
     """
-    batch, length, vocab = logits.shape
-    flat = logits.reshape(-1, vocab)
-    rows_per_chunk = _chunk_rows(vocab, chunk_rows)
-    out = torch.empty(flat.shape[0], dtype=_compute_dtype(logits.dtype), device=logits.device)
-    for start in range(0, flat.shape[0], rows_per_chunk):
-        rows = slice(start, start + rows_per_chunk)
-        chunk = flat[rows].to(out.dtype)
-        out[rows] = torch.logsumexp(chunk, dim=1) - (torch.softmax(chunk, dim=1) * chunk).sum(dim=1)
-    return out.view(batch, length)
+    length = logits.shape[1] if length is None else length
+    out = torch.empty(logits.shape[0], length, dtype=_compute_dtype(logits.dtype), device=logits.device)
+    for seqs, pos in _blocks(logits, length, chunk_rows):
+        block = logits[seqs, pos].to(out.dtype) / temperature
+        out[seqs, pos] = torch.logsumexp(block, dim=-1) - (torch.softmax(block, dim=-1) * block).sum(dim=-1)
+    return out
 
 
 def kl_estimate(log_probs: torch.Tensor, ref_log_probs: torch.Tensor, estimator: str = "k3") -> torch.Tensor:
@@ -216,6 +226,11 @@ def grpo_loss(
     1.2; min(1.5 * 1, 1.2 * 1) = 1.2, so the token contributes -1.2 and no gradient (the clipped
     branch is constant). With A = -1 the min picks 1.5 * -1 = -1.5: loss +1.5, gradient flows.
     """
+    tokens = mask.bool()
+    # Positions outside the mask (padding after EOS) compare the policy with itself: their
+    # ratio is 1 and their KL 0, so an extreme log-prob there cannot turn the sum into inf * 0.
+    detached = log_probs.detach()
+    old_log_probs = torch.where(tokens, old_log_probs, detached)
     ratio = torch.exp(log_probs - old_log_probs)
     advantages = advantages.unsqueeze(1)  # [N, 1], shared by all tokens of a completion
     unclipped = ratio * advantages
@@ -223,13 +238,12 @@ def grpo_loss(
     per_token = -torch.minimum(unclipped, clipped)  # [N, T]
     kl = None
     if ref_log_probs is not None:
-        kl = kl_estimate(log_probs, ref_log_probs, settings.kl_estimator)
+        kl = kl_estimate(log_probs, torch.where(tokens, ref_log_probs, detached), settings.kl_estimator)
         if settings.beta > 0:
             per_token = per_token + settings.beta * kl
     loss = aggregate(per_token, mask, settings.aggregation, step)
 
     with torch.no_grad():
-        tokens = mask.bool()
         was_clipped = (clipped < unclipped) & tokens  # the min took the clipped (constant) branch
         metrics = {
             "tokens": tokens.sum(),

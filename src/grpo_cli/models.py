@@ -132,6 +132,8 @@ def load_models(cfg: ModelConfig, beta: float, device: torch.device,
     if lora:
         policy = _attach_adapter(policy, cfg, checkpoint)
     policy.config.use_cache = not cfg.gradient_checkpointing
+    if cfg.disable_dropout:
+        disable_dropout(policy)
 
     reference = None
     if beta > 0 and not lora:
@@ -155,6 +157,24 @@ def _attach_adapter(base, cfg: ModelConfig, checkpoint: Optional[str]):
         task_type="CAUSAL_LM",
     )
     return get_peft_model(base, peft_config)
+
+
+def disable_dropout(model: torch.nn.Module) -> None:
+    """Set every dropout layer (LoRA's included) to p = 0.
+
+    With dropout, the log-probs of the ratio pi / pi_old and of the KL would come from different
+    random sub-networks in each forward pass: rho != 1 on the first pass, clipping on noise.
+    Functional attention dropout reads the config; it is 0 in the models we know, and set to 0
+    here where the config has it.
+    """
+    for module in model.modules():
+        if isinstance(module, torch.nn.Dropout):
+            module.p = 0.0
+        if isinstance(getattr(module, "attention_dropout", None), float):
+            module.attention_dropout = 0.0
+    config = getattr(model, "config", None)
+    if config is not None and isinstance(getattr(config, "attention_dropout", None), float):
+        config.attention_dropout = 0.0
 
 
 @contextlib.contextmanager

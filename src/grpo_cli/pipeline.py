@@ -89,11 +89,11 @@ def run(cfg: Any) -> RunResult:
         # exactly what an unbroken one would have.
         torch.manual_seed(trainer.seed * 1_000_003 + step)
         step_started = time.perf_counter()
-        seconds = {"sample": 0.0, "reward": 0.0}
-        rollout, rewards = sample_and_score(sampler, scorer, models, prompts, seconds)
+        cost = {"sample_seconds": 0.0, "reward_seconds": 0.0, "tokens": 0}
+        rollout, rewards = sample_and_score(sampler, scorer, models, prompts, cost)
         if trainer.filter_zero_std:  # DAPO dynamic sampling: only groups whose rewards differ
             filled = fill_informative_groups(
-                rollout, rewards, lambda: sample_and_score(sampler, scorer, models, prompts, seconds),
+                rollout, rewards, lambda: sample_and_score(sampler, scorer, models, prompts, cost),
                 target=cfg.data.prompts_per_step, max_rounds=trainer.max_resample_rounds,
                 std_threshold=trainer.std_threshold,
             )
@@ -115,11 +115,11 @@ def run(cfg: Any) -> RunResult:
                 "sampling/sampled_groups": filled.sampled_groups,
             })
         metrics.update({
-            "time/sample": seconds["sample"],
-            "time/reward": seconds["reward"],
+            "time/sample": cost["sample_seconds"],
+            "time/reward": cost["reward_seconds"],
             "time/update": updated - scored,
             "time/step": updated - step_started,
-            "tokens_per_second": int(rollout.completion_mask.sum()) / max(seconds["sample"], 1e-9),
+            "tokens_per_second": cost["tokens"] / max(cost["sample_seconds"], 1e-9),  # all rounds
         })
         final = step == trainer.steps
         if eval_rows and (final or (trainer.eval_every and step % trainer.eval_every == 0)):
@@ -147,15 +147,16 @@ def run(cfg: Any) -> RunResult:
 
 
 def sample_and_score(sampler, scorer: RewardScorer, models: Models, prompts: PromptSource,
-                     seconds: dict[str, float]) -> tuple[Rollout, Rewards]:
-    """The next batch of prompts -> its B x G completions and their rewards; adds the time spent
-    to seconds["sample"] and seconds["reward"]."""
+                     cost: dict[str, float]) -> tuple[Rollout, Rewards]:
+    """The next batch of prompts -> its B x G completions and their rewards; adds the seconds
+    spent and the tokens generated to `cost` (a step may sample several rounds)."""
     started = time.perf_counter()
     rollout = sampler.sample(models.policy, prompts.next_batch())
     sampled = time.perf_counter()
     rewards = scorer.score(rollout)
-    seconds["sample"] += sampled - started
-    seconds["reward"] += time.perf_counter() - sampled
+    cost["sample_seconds"] += sampled - started
+    cost["reward_seconds"] += time.perf_counter() - sampled
+    cost["tokens"] += int(rollout.completion_mask.sum())
     return rollout, rewards
 
 
@@ -199,7 +200,7 @@ def step_metrics(rollout: Rollout, rewards: Rewards, advantages: Advantages, sta
         "clip_fraction": stats.clip_fraction,
         "clip/high_fraction": stats.clip_high_fraction,
         "clip/low_fraction": stats.clip_low_fraction,
-        "ratio/max_deviation": max(stats.ratio_deviation_by_pass),
+        "ratio/max_deviation": max(stats.ratio_deviation_by_pass, default=None),
         "entropy": stats.entropy,
         "grad_norm": stats.grad_norm,
         "skipped_updates": stats.skipped_steps,
@@ -209,6 +210,9 @@ def step_metrics(rollout: Rollout, rewards: Rewards, advantages: Advantages, sta
         "lr": lr,
         "beta": beta,
     })
+    if len(stats.clip_fraction_by_pass) > 1:  # mu > 1: pass 1 never clips, the later ones show the drift
+        for index, fraction in enumerate(stats.clip_fraction_by_pass, start=1):
+            metrics[f"clip/fraction_pass{index}"] = fraction
     return metrics
 
 

@@ -35,6 +35,7 @@ class Rollout:
     completions: list[str]  # [B*G] decoded, special tokens removed
     columns: dict[str, list[Any]]  # each [B*G]
     group_size: int
+    temperature: float = 1.0  # sampled from softmax(logits / temperature): log-probs use the same
 
     @property
     def num_prompts(self) -> int:
@@ -61,16 +62,25 @@ class Advantages:
 
 @dataclass
 class UpdateStats:
-    """Plain floats for logging, averaged over the micro-batches and iterations of one step."""
+    """Plain floats for logging, averaged over the micro-batches and iterations of one step.
+    None where the step had no token in the loss (nothing was measured)."""
 
     loss: float
-    kl: float  # mean per-token KL(pi || ref) estimate (trainer.kl_estimator); 0 without a reference
-    clip_fraction: float  # fraction of completion tokens whose ratio was clipped (either side)
-    clip_high_fraction: float  # ... clipped at 1 + clip_eps_high (A > 0)
-    clip_low_fraction: float  # ... clipped at 1 - clip_eps (A < 0)
+    kl: float | None  # mean per-token KL(pi || ref) estimate (trainer.kl_estimator); 0 without a reference
+    clip_fraction: float | None  # fraction of loss tokens whose ratio was clipped (either side), all passes
+    clip_high_fraction: float | None  # ... clipped at 1 + clip_eps_high (A > 0)
+    clip_low_fraction: float | None  # ... clipped at 1 - clip_eps (A < 0)
     clip_fraction_by_pass: list[float]  # [num_iterations]
     ratio_deviation_by_pass: list[float]  # [num_iterations] max |pi/pi_old - 1| over loss tokens
-    entropy: float  # mean per-token entropy of the policy on its own completions
+    entropy: float | None  # mean per-token entropy of the policy on its own completions
     grad_norm: float  # global gradient norm before clipping (last optimizer step)
-    tokens: int  # completion tokens trained on
-    skipped_steps: int  # optimizer steps skipped because the gradient was not finite
+    tokens: int  # completion tokens in the loss
+    skipped_steps: int  # optimizer steps not taken: gradient not finite, or no token in the loss
+
+    @classmethod
+    def nothing_trained(cls, passes: int) -> "UpdateStats":
+        """A step with no token in the loss: no optimizer step (AdamW's momentum would still
+        move the weights), every pass counted as skipped."""
+        return cls(loss=0.0, kl=None, clip_fraction=None, clip_high_fraction=None,
+                   clip_low_fraction=None, clip_fraction_by_pass=[], ratio_deviation_by_pass=[],
+                   entropy=None, grad_norm=0.0, tokens=0, skipped_steps=passes)

@@ -25,23 +25,30 @@ def completion_log_probs(
     prompt_mask: torch.Tensor,  # [N, P]
     completion_ids: torch.Tensor,  # [N, T]
     completion_mask: torch.Tensor,  # [N, T]
+    temperature: float = 1.0,
     with_entropy: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """log pi(completion token | prompt, earlier tokens): [N, T], and optionally entropies [N, T]."""
+    """log pi(completion token | prompt, earlier tokens): [N, T], and optionally entropies [N, T].
+
+    pi is the distribution the tokens were sampled from, softmax(logits / temperature), as TRL
+    and verl compute it: the ratio and the KL then compare like with like.
+    """
     input_ids = torch.cat([prompt_ids, completion_ids], dim=1)
     attention_mask = torch.cat([prompt_mask, completion_mask], dim=1)
     # Left padding: positions count real tokens only, as `generate` numbered them when sampling.
     position_ids = (attention_mask.cumsum(dim=1) - 1).clamp(min=0)
     length = completion_ids.shape[1]
+    # [N, T + 1, V]: the last prompt position predicts the first completion token; the final
+    # position (after the last token) is ignored by token_log_probs without slicing a copy.
     logits = model(
         input_ids=input_ids,
         attention_mask=attention_mask,
         position_ids=position_ids,
-        logits_to_keep=length + 1,  # the last prompt position predicts the first completion token
+        logits_to_keep=length + 1,
         use_cache=False,
-    ).logits[:, :-1]  # [N, T, V]
-    log_probs = token_log_probs(logits, completion_ids)
-    entropy = token_entropy(logits) if with_entropy else None  # no grad
+    ).logits
+    log_probs = token_log_probs(logits, completion_ids, temperature)
+    entropy = token_entropy(logits, length, temperature) if with_entropy else None  # no grad
     return log_probs, entropy
 
 
@@ -76,9 +83,13 @@ def update_policy(
     # The sampler pads every completion to max_new_tokens, so T is Dr. GRPO's constant.
     step_size = StepSize(sequences=count, tokens=int(loss_mask.sum()), max_new_tokens=completion_ids.shape[1])
 
+    if step_size.tokens == 0:  # every completion left out (mask_truncated): nothing to learn from
+        return UpdateStats.nothing_trained(trainer.num_iterations)
+
     def log_probs_of(model, chunk, with_entropy=False):
         return completion_log_probs(
-            model, prompt_ids[chunk], prompt_mask[chunk], completion_ids[chunk], mask[chunk], with_entropy
+            model, prompt_ids[chunk], prompt_mask[chunk], completion_ids[chunk], mask[chunk],
+            rollout.temperature, with_entropy,
         )
 
     policy.train()
@@ -105,8 +116,8 @@ def update_policy(
             )
             loss.backward()
             totals["loss"] += loss.item()
-            if entropy is not None:
-                entropy_sum += (entropy * loss_mask[chunk]).sum().item()
+            if entropy is not None:  # over every completion token, truncated or not
+                entropy_sum += (entropy * mask[chunk]).sum().item()
             for key in totals.keys() - {"loss"}:
                 totals[key] += float(metrics[key])
             pass_clipped += float(metrics["clipped_high"] + metrics["clipped_low"])
@@ -132,7 +143,7 @@ def update_policy(
         clip_low_fraction=totals["clipped_low"] / tokens,
         clip_fraction_by_pass=clip_by_pass,
         ratio_deviation_by_pass=deviation_by_pass,
-        entropy=entropy_sum / max(step_size.tokens, 1),
+        entropy=entropy_sum / max(int(mask.sum()), 1),
         grad_norm=grad_norm,
         tokens=step_size.tokens,
         skipped_steps=skipped,

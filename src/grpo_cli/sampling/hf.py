@@ -64,6 +64,7 @@ class HFSampler:
             completions=self.tokenizer.batch_decode(completion_ids, skip_special_tokens=True),
             columns={key: [v for v in values for _ in range(group)] for key, values in batch.columns.items()},
             group_size=group,
+            temperature=self.cfg.temperature,
         )
 
     def greedy(self, policy, batch: PromptBatch) -> list[str]:
