@@ -8,13 +8,15 @@ import sys
 from pathlib import Path
 
 GRPO_TRAIN = str(Path(sys.executable).parent / "grpo-train")
+TESTS_DIR = str(Path(__file__).resolve().parent)  # on PYTHONPATH: `_target_: test_module.function`
 
 
-def grpo_train(*overrides: str, cwd: Path | None = None, check: bool = True) -> subprocess.CompletedProcess:
+def grpo_train(*overrides: str, cwd: Path | None = None, check: bool = True,
+               env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     """`grpo-train OVERRIDES...` in a child process; raises with its output if it fails."""
     result = subprocess.run(
         [GRPO_TRAIN, *overrides], capture_output=True, text=True, cwd=cwd,
-        env={**os.environ, "HF_HUB_OFFLINE": "1"}, timeout=900,
+        env={**os.environ, "HF_HUB_OFFLINE": "1", **(env or {})}, timeout=900,
     )
     if check and result.returncode != 0:
         raise AssertionError(f"grpo-train failed ({result.returncode}):\n{result.stdout}\n{result.stderr}")

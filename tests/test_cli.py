@@ -10,7 +10,7 @@ import torch
 from omegaconf import OmegaConf
 
 from grpo_cli.logs import read_metrics
-from helpers import grpo_train
+from helpers import TESTS_DIR, grpo_train
 
 # Small and quick: 4 prompts x G=4, 6 eval prompts.
 QUICK = ["data.prompts_per_step=4", "sampler.group_size=4", "data.eval_size=6", "trainer.log_every=1"]
@@ -36,7 +36,8 @@ def test_run_dir_holds_config_metrics_and_checkpoints(three_step_run):
     rows = read_metrics(run_dir)
     assert [row["step"] for row in rows] == [0, 1, 2, 3]  # row 0: the greedy eval before training
     required = [
-        "reward/mean", "reward/std", "reward/exact_match/mean", "advantage/std",
+        "reward/mean", "reward/std", "reward/exact_match/mean", "reward/exact_match/std",
+        "reward/exact_match/errors", "advantage/std",
         "advantage/zero_std_fraction", "kl", "clip_fraction", "loss", "entropy", "grad_norm",
         "completion/length_mean", "completion/length_max", "completion/truncated_fraction", "lr",
         "beta", "time/step", "time/sample", "time/reward", "time/update", "tokens_per_second",
@@ -138,6 +139,29 @@ def test_dapo_with_a_beta_schedule_logs_the_beta_in_force_and_the_sampling_round
     assert (saved.loss_aggregation, saved.clip_eps_high, saved.mask_truncated) == ("token_mean", 0.28, True)
 
 
+def test_two_weighted_rewards_with_normalize_each_log_both_functions(tmp_path, tiny_model_dir):
+    run_dir = tmp_path / "two"
+    grpo_train(*QUICK, "trainer.steps=2", "reward=math", "reward.normalize_each=true",
+               f"hydra.run.dir={run_dir}")
+    rows = read_metrics(run_dir)
+    for row in rows[1:]:
+        for name in ("math_accuracy", "format_reward"):
+            assert {f"reward/{name}/mean", f"reward/{name}/std", f"reward/{name}/errors"} <= set(row)
+            assert row[f"reward/{name}/errors"] == 0
+    assert "eval/math_accuracy" in rows[-1] and "eval/format_reward" in rows[-1]
+    assert rows[-1]["eval/accuracy"] == rows[-1]["eval/math_accuracy"]
+
+
+def test_a_reward_that_always_fails_stops_the_run_naming_it(tmp_path, tiny_model_dir):
+    result = grpo_train(*QUICK, "trainer.steps=2", "data.eval_size=0",
+                        "reward.functions=[{_target_: test_rewards.always_raises, weight: 1.0}]",
+                        f"hydra.run.dir={tmp_path / 'bad'}", check=False, env={"PYTHONPATH": TESTS_DIR})
+    assert result.returncode == 2, result.stderr[-2000:]
+    message = " ".join(result.stderr.split())  # the console wraps long lines
+    assert "always_raises failed on 16 of 16 completions" in message
+    assert "RuntimeError: boom" in message and "Traceback" not in message
+
+
 def test_missing_model_fails_fast_with_a_clear_message(tmp_path):
     result = grpo_train("model.name_or_path=Qwen/Qwen2.5-7B-Instruct", "trainer.steps=1",
                         f"hydra.run.dir={tmp_path}", check=False)
@@ -160,7 +184,8 @@ def test_bad_value_exits_2_naming_the_key(tmp_path):
 
 def test_help_and_printing_the_composed_config():
     help_text = grpo_train("--help").stdout
-    assert "grpo-train" in help_text and "conf: math_0.5b, math_7b, tiny" in help_text
+    assert "grpo-train" in help_text and "conf: code_7b, math_0.5b, math_7b, tiny" in help_text
+    assert "algorithm: dapo, dr_grpo, grpo, rloo" in help_text
     printed = grpo_train("--cfg", "job", "conf=math_7b").stdout
     assert "name_or_path: Qwen/Qwen2.5-7B-Instruct" in printed
     completion = grpo_train("--shell-completion", "install=bash").stdout

@@ -57,6 +57,20 @@ def test_math_7b_preset_has_the_practitioner_numbers():
     assert cfg.data.prompt_field == "question"
 
 
+def test_code_7b_preset_trains_the_coder_model_with_the_sandboxed_code_reward():
+    cfg = make(["conf=code_7b"])
+    validate(cfg, check_files=False)
+    assert cfg.model.name_or_path == "Qwen/Qwen2.5-Coder-7B-Instruct" and cfg.model.lora.enabled
+    targets = [entry["_target_"] for entry in cfg.reward.functions]
+    assert targets == ["grpo_cli.rewards.code_execution", "grpo_cli.rewards.format_reward"]
+    assert cfg.reward.workers == 4 and cfg.data.answer_field == "tests"
+
+
+def test_math_reward_preset_is_accuracy_then_format():
+    targets = [entry["_target_"] for entry in make(["conf=math_7b"]).reward.functions]
+    assert targets == ["grpo_cli.rewards.math_accuracy", "grpo_cli.rewards.format_reward"]
+
+
 def test_math_half_b_preset_is_a_full_fine_tune():
     cfg = make(["conf=math_0.5b"])
     assert cfg.model.name_or_path == "Qwen/Qwen2.5-0.5B-Instruct" and not cfg.model.lora.enabled
@@ -114,6 +128,8 @@ def test_a_wrong_type_is_rejected_by_the_schema():
         (["trainer.max_resample_rounds=-1"], "trainer.max_resample_rounds=-1"),
         (["reward.clip=[5,-5]"], "reward.clip="),
         (["reward.clip=[1]"], "reward.clip="),
+        (["reward.max_error_fraction=1.5"], "reward.max_error_fraction=1.5"),
+        (["reward.workers=0"], "reward.workers=0"),
     ],
 )
 def test_validate_names_the_bad_key(overrides, expected):

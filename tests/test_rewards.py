@@ -18,7 +18,7 @@ from omegaconf import OmegaConf
 from grpo_cli.config import ConfigError
 from grpo_cli.records import Rewards
 from grpo_cli.rewards import exact_match, math_accuracy
-from grpo_cli.rewards.api import RewardScorer, build_reward_functions, call_reward
+from grpo_cli.rewards.api import RewardError, RewardScorer, build_reward_functions, call_reward
 from grpo_cli.rewards.math import extract_final_answer, reference_value
 
 GSM8K_TRAIN = Path(__file__).resolve().parents[2] / "shared" / "data" / "gsm8k" / "train.jsonl"
@@ -315,30 +315,43 @@ def _single(fn, **arguments):
 
 def test_call_reward_success_gives_floats_and_no_error():
     function = _single(scaled_length, factor=2)
-    values, error = call_reward(function, ["p", "p"], ["ab", "abcd"], {"answer": ["1", "2"]})
-    assert error is None
+    values, failures, error = call_reward(function, ["p", "p"], ["ab", "abcd"], {"answer": ["1", "2"]})
+    assert error is None and failures == 0
     assert values == [4.0, 8.0] and all(isinstance(v, float) for v in values)
 
 
 @pytest.mark.parametrize(
-    "fn, why",
+    "fn, why, values",
     [
-        (always_raises, "raised RuntimeError: boom"),
-        (wrong_length, "returned 1 values for 3 completions"),
-        (returns_nan, "nan"),
-        (returns_inf, "inf"),
-        (returns_bools, "True"),
+        (always_raises, "raised RuntimeError: boom", [None, None, None]),
+        (wrong_length, "returned 1 values for 3 completions", [None, None, None]),
+        (returns_nan, "nan", [1.0, None, 1.0]),  # only the NaN value is lost
+        (returns_inf, "inf", [None, None, None]),
+        (returns_bools, "True", [None, None, None]),
     ],
 )
-def test_call_reward_failures_give_none_and_a_reason(fn, why):
-    values, error = call_reward(_single(fn), ["p"] * 3, ["a", "b", "c"], {"answer": ["1"] * 3})
-    assert values == [None, None, None]
-    assert error is not None and why in error
+def test_call_reward_failures_give_none_and_a_reason(fn, why, values):
+    result = call_reward(_single(fn), ["p"] * 3, ["a", "b", "c"], {"answer": ["1"] * 3})
+    assert result.values == values and result.failures == values.count(None)
+    assert result.error is not None and why in result.error
+
+
+def raises_on_marked(prompts, completions, answer, **_):
+    if any("!" in text for text in completions):
+        raise ValueError(f"cannot parse {completions}")
+    return [float(len(text)) for text in completions]
+
+
+def test_a_function_that_raises_on_one_completion_loses_only_that_score():
+    # The batch call raises because of "b!"; called one by one, only "b!" fails.
+    result = call_reward(_single(raises_on_marked), ["p"] * 3, ["a", "b!", "ccc"], {"answer": ["1"] * 3})
+    assert result.values == [1.0, None, 3.0] and result.failures == 1
+    assert "ValueError" in result.error and "b!" in result.error
 
 
 def test_call_reward_accepts_numpy_scalars():
-    values, error = call_reward(_single(returns_numpy_scalars), ["p"], ["a"], {"answer": ["1"]})
-    assert error is None and values == [1.0]
+    values, failures, error = call_reward(_single(returns_numpy_scalars), ["p"], ["a"], {"answer": ["1"]})
+    assert error is None and failures == 0 and values == [1.0]
 
 
 # ---------------------------------------------------------------- RewardScorer
@@ -397,16 +410,34 @@ def test_failing_functions_never_stop_the_run():
         ]
     )
     rewards = scorer.score_texts(PROMPTS, ["7", "8", "7", "7"], {"answer": ["7"] * 4}, SHAPE)
-    # Only exact_match counts: 1, 0, 1, 1; each failed call adds 0.
-    assert torch.equal(rewards.total, torch.tensor([[1.0, 0.0], [1.0, 1.0]]))
+    # exact_match: 1, 0, 1, 1; returns_nan: 1, lost, 1, 1; the other two lose everything (0).
+    assert torch.equal(rewards.total, torch.tensor([[2.0, 0.0], [2.0, 2.0]]))
     assert set(rewards.errors) == {"always_raises", "wrong_length", "returns_nan"}
     assert "RuntimeError" in rewards.errors["always_raises"] and "boom" in rewards.errors["always_raises"]
     assert "1 values for 4 completions" in rewards.errors["wrong_length"]
     assert "nan" in rewards.errors["returns_nan"]
-    for name in ("always_raises", "wrong_length", "returns_nan"):
+    assert rewards.error_counts == {"exact_match": 0, "always_raises": 4, "wrong_length": 4, "returns_nan": 1}
+    for name in ("always_raises", "wrong_length"):
         values = rewards.per_function[name]
-        assert values.shape == SHAPE and torch.isnan(values).all()  # the whole call is dropped
+        assert values.shape == SHAPE and torch.isnan(values).all()  # nothing could be scored
+    assert torch.isnan(rewards.per_function["returns_nan"]).sum() == 1
     assert not torch.isnan(rewards.total).any()
+
+
+def test_a_function_failing_on_more_than_max_error_fraction_stops_the_run_naming_it():
+    # returns_nan loses 1 of 4 scores (0.25): allowed at 0.5; always_raises loses 4 of 4: stops.
+    lenient = RewardScorer([{"_target_": target(returns_nan)}], max_error_fraction=0.5)
+    assert lenient.score_texts(PROMPTS, ["a"] * 4, {"answer": ["x"] * 4}, SHAPE).error_counts == {"returns_nan": 1}
+    strict = RewardScorer([{"_target_": target(returns_nan)}], max_error_fraction=0.2)
+    with pytest.raises(RewardError, match=r"returns_nan failed on 1 of 4 completions.*max_error_fraction=0.2"):
+        strict.score_texts(PROMPTS, ["a"] * 4, {"answer": ["x"] * 4}, SHAPE)
+    scorer = RewardScorer([{"_target_": "grpo_cli.rewards.exact_match"}, {"_target_": target(always_raises)}],
+                          max_error_fraction=0.5)
+    with pytest.raises(RewardError) as caught:
+        scorer.score_texts(PROMPTS, ["a"] * 4, {"answer": ["x"] * 4}, SHAPE)
+    message = str(caught.value)
+    assert "always_raises failed on 4 of 4" in message and "RuntimeError: boom" in message
+    assert isinstance(caught.value, ConfigError)  # the CLI prints it and exits 2, no traceback
 
 
 def test_none_items_are_nan_per_function_and_add_nothing():
@@ -466,3 +497,16 @@ def test_duplicate_functions_are_scored_separately():
     assert len(rewards.per_function) == 2 and len(set(scorer.names)) == 2
     assert sorted(float(v[0, 0]) for v in rewards.per_function.values()) == [1.0, 3.0]
     assert torch.allclose(rewards.total, torch.full(SHAPE, 4.0))
+
+
+def reports_workers(prompts, completions, workers=1, **_):
+    return [float(workers)] * len(completions)
+
+
+def test_reward_workers_reach_functions_that_take_them_unless_the_entry_sets_its_own():
+    shared = {"workers": 6}
+    (given,) = build_reward_functions([{"_target_": target(reports_workers)}], shared=shared)
+    (own,) = build_reward_functions([{"_target_": target(reports_workers), "workers": 2}], shared=shared)
+    (plain,) = build_reward_functions([{"_target_": "grpo_cli.rewards.exact_match"}], shared=shared)
+    assert given.fn([""], ["a"]) == [6.0] and own.fn([""], ["a"]) == [2.0]
+    assert plain.fn([""], ["7"], answer=["7"]) == [1.0]  # exact_match takes no `workers`: not passed

@@ -103,6 +103,11 @@ class RewardConfig:
     """Reward functions: each `{_target_: module.function, weight: w, ...its own keyword args}`."""
     clip: Optional[List[float]] = None
     """[low, high]: clamp each function's scores to this range before weighting (null: no clip)."""
+    max_error_fraction: float = 0.5
+    """Stop the run when one function's scores are lost (it raised, returned a wrong length or a
+    non-finite value) for more than this fraction of one call's completions: a bug, not bad luck."""
+    workers: int = 4
+    """Parallel sandboxed processes for code_execution (passed to rewards that take `workers`)."""
     normalize_each: bool = False
     """Z-score each function's scores within their group before the weighted sum, so a reward on a
     large scale does not drown a small one. The logged reward/mean stays the plain weighted sum."""
@@ -281,6 +286,10 @@ def validate(cfg: Any, check_files: bool = True) -> None:
         problems.append(f"trainer.clip_eps_high={trainer.clip_eps_high} must be >= 0 (or null for clip_eps).")
     problems += _beta_problems(trainer.beta)
     problems += _clip_problems(cfg.reward.clip)
+    if not 0 <= cfg.reward.max_error_fraction <= 1:
+        problems.append(f"reward.max_error_fraction={cfg.reward.max_error_fraction} must be in [0, 1].")
+    if cfg.reward.workers < 1:
+        problems.append(f"reward.workers={cfg.reward.workers} must be at least 1.")
     if trainer.keep_last < 1:
         problems.append(f"trainer.keep_last={trainer.keep_last} must be at least 1.")
     if not 0 < sampler.top_p <= 1:

@@ -45,8 +45,12 @@ def fill_informative_groups(
     spare: list[tuple[Rollout, Rewards, list[int]]] = []
     found, rounds, sampled = 0, 0, 0
     errors: dict[str, str] = {}
+    error_counts: dict[str, int] = {}
     while True:
-        errors.update(rewards.errors)  # reported even when the round's groups are all dropped
+        # Failures are reported for every round, even one whose groups are all dropped.
+        errors = {**rewards.errors, **errors}
+        for name, count in rewards.error_counts.items():
+            error_counts[name] = error_counts.get(name, 0) + count
         flags = informative_groups(rewards, std_threshold).tolist()
         sampled += len(flags)
         useful = [group for group, flag in enumerate(flags) if flag][: target - found]
@@ -64,7 +68,7 @@ def fill_informative_groups(
         kept.append((part_rollout, part_rewards, groups[:missing]))
         missing -= len(groups[:missing])
     merged_rollout, merged_rewards = merge_groups([part for part in kept if part[2]])
-    merged_rewards.errors = errors
+    merged_rewards.errors, merged_rewards.error_counts = errors, error_counts
     return FilledStep(merged_rollout, merged_rewards, rounds, found, sampled)
 
 
@@ -103,6 +107,7 @@ def merge_groups(parts: list[tuple[Rollout, Rewards, list[int]]]) -> tuple[Rollo
         total=torch.cat([r.total for r in rewards]),
         per_function={name: torch.cat([r.per_function[name] for r in rewards]) for name in rewards[0].per_function},
         errors={name: why for r in rewards for name, why in r.errors.items()},
+        error_counts={name: sum(r.error_counts.get(name, 0) for r in rewards) for name in rewards[0].error_counts},
         shaped=None if rewards[0].shaped is None else torch.cat([r.shaped for r in rewards]),
     )
     return merged_rollout, merged_rewards
@@ -130,5 +135,6 @@ def _select_groups(rewards: Rewards, groups: list[int]) -> Rewards:
         total=rewards.total[index],
         per_function={name: values[index] for name, values in rewards.per_function.items()},
         errors=dict(rewards.errors),
+        error_counts=dict(rewards.error_counts),
         shaped=None if rewards.shaped is None else rewards.shaped[index],
     )

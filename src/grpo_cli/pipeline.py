@@ -52,6 +52,7 @@ def run(cfg: Any) -> RunResult:
     output_dir.mkdir(parents=True, exist_ok=True)
     resume_from = find_resume_checkpoint(trainer.resume, output_dir)
 
+    scorer = RewardScorer.from_config(cfg.reward, trainer.std_eps)  # imports each _target_: fails before loading
     seed_everything(trainer.seed)
     device = resolve_device(trainer.device)
     betas = beta_schedule(trainer.beta)
@@ -59,7 +60,6 @@ def run(cfg: Any) -> RunResult:
     prompts = PromptSource(cfg.data, models.tokenizer)
     eval_rows = load_eval_rows(cfg.data)
     sampler = make_sampler(cfg.sampler, models.tokenizer)
-    scorer = RewardScorer(cfg.reward.functions, cfg.reward.clip, cfg.reward.normalize_each, trainer.std_eps)
     optimizer = make_optimizer(cfg.optimizer, trainable_parameters(models.policy))
     scheduler = make_scheduler(cfg.optimizer, optimizer, trainer.steps * trainer.num_iterations)
     start_step = 0
@@ -126,7 +126,9 @@ def run(cfg: Any) -> RunResult:
             metrics.update(evaluate(models, sampler, prompts, scorer, eval_rows))
             eval_after = metrics["eval/accuracy"]
         for name, why in rewards.errors.items():
-            log.print(f"[yellow]step {step}: reward function {name} failed ({why}); scored as None")
+            count = rewards.error_counts.get(name, 0)
+            log.print(f"[yellow]step {step}: reward function {name} failed on {count} completions "
+                      f"(first: {why}); those scored None")
         log.log_step(step, metrics)
 
         if final or (trainer.checkpoint_every and step % trainer.checkpoint_every == 0):
@@ -190,8 +192,10 @@ def step_metrics(rollout: Rollout, rewards: Rewards, advantages: Advantages, sta
         "reward/std": rewards.total.std().item(),
     }
     for name, values in rewards.per_function.items():
-        metrics[f"reward/{name}/mean"] = _nan_to_none(torch.nanmean(values).item())
-        metrics[f"reward/{name}/errors"] = int(name in rewards.errors)
+        present = values[~values.isnan()]  # None ("no opinion" or lost) is left out of mean and std
+        metrics[f"reward/{name}/mean"] = present.mean().item() if present.numel() else None
+        metrics[f"reward/{name}/std"] = present.std().item() if present.numel() > 1 else None
+        metrics[f"reward/{name}/errors"] = rewards.error_counts.get(name, 0)
     metrics.update({
         "advantage/std": advantages.values.std().item(),
         "advantage/zero_std_fraction": advantages.zero_std_groups.float().mean().item(),
@@ -214,10 +218,6 @@ def step_metrics(rollout: Rollout, rewards: Rewards, advantages: Advantages, sta
         for index, fraction in enumerate(stats.clip_fraction_by_pass, start=1):
             metrics[f"clip/fraction_pass{index}"] = fraction
     return metrics
-
-
-def _nan_to_none(value: float) -> Optional[float]:
-    return None if value != value else value
 
 
 def evaluate(models: Models, sampler, prompts: PromptSource, scorer: RewardScorer,

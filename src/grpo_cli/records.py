@@ -46,7 +46,8 @@ class Rollout:
 class Rewards:
     total: torch.Tensor  # [B, G] weighted sum over functions (clipped by reward.clip; None counts 0)
     per_function: dict[str, torch.Tensor]  # name -> [B, G], NaN where the function returned None
-    errors: dict[str, str] = field(default_factory=dict)  # name -> why its call failed this step
+    errors: dict[str, str] = field(default_factory=dict)  # name -> why its first failure happened this step
+    error_counts: dict[str, int] = field(default_factory=dict)  # name -> completions whose score was lost
     shaped: torch.Tensor | None = None  # [B, G] what advantages are computed from (reward.normalize_each); None = total
 
     @property

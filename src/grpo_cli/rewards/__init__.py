@@ -8,6 +8,17 @@ are named in config by `_target_` with a `weight` and their own keyword argument
 ones below are importable as `grpo_cli.rewards.<name>`.
 """
 
+from grpo_cli.rewards.code import code_execution
+from grpo_cli.rewards.format import format_reward, length_penalty, repetition_penalty
 from grpo_cli.rewards.math import exact_match, math_accuracy
+from grpo_cli.rewards.reward_model import reward_model
 
-__all__ = ["exact_match", "math_accuracy"]
+__all__ = [
+    "code_execution",
+    "exact_match",
+    "format_reward",
+    "length_penalty",
+    "math_accuracy",
+    "repetition_penalty",
+    "reward_model",
+]

@@ -1,8 +1,10 @@
 """Calling reward functions safely, and combining them into one reward per completion.
 
 A function that raises, returns the wrong length, or returns NaN/inf is not allowed to stop the
-run: that call's values count as None ("no opinion"), and the failure is recorded by name in
-`Rewards.errors` and logged as `reward/<name>/errors`.
+run on its own: the scores it lost count as None ("no opinion"), the failure is recorded by
+name in `Rewards.errors` (first reason) and `Rewards.error_counts`, and logged as
+`reward/<name>/errors`. Only a function that fails on more than reward.max_error_fraction of a
+call's completions stops the run, with a message naming it (a bug, not a bad completion).
 """
 
 from __future__ import annotations
@@ -11,7 +13,7 @@ import functools
 import inspect
 import math
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
 import torch
 from hydra.utils import get_method
@@ -33,7 +35,9 @@ class RewardFunction:
     column_names: tuple[str, ...]  # else: only the columns it names
 
 
-def build_reward_functions(entries: Any) -> list[RewardFunction]:
+def build_reward_functions(entries: Any, shared: dict[str, Any] | None = None) -> list[RewardFunction]:
+    """One RewardFunction per config entry. `shared` holds group-level settings (reward.workers)
+    given to each function whose signature names them, unless its entry sets them itself."""
     functions: list[RewardFunction] = []
     for index, entry in enumerate(entries):
         entry = OmegaConf.to_container(entry, resolve=True) if OmegaConf.is_config(entry) else dict(entry)
@@ -54,6 +58,9 @@ def build_reward_functions(entries: Any) -> list[RewardFunction]:
             suffix += 1
             name = f"{base_name}_{suffix}"
         parameters = inspect.signature(fn).parameters.values()
+        for key, value in (shared or {}).items():
+            if key not in arguments and any(p.name == key for p in parameters):
+                arguments[key] = value
         functions.append(
             RewardFunction(
                 name=name,
@@ -66,9 +73,22 @@ def build_reward_functions(entries: Any) -> list[RewardFunction]:
     return functions
 
 
+class RewardCall(NamedTuple):
+    values: list[float | None]  # [N] one score per completion, None = no opinion or lost
+    failures: int  # completions whose score was lost to an error
+    error: str | None  # why the first failure happened; None when nothing failed
+
+
 def call_reward(function: RewardFunction, prompts: list[str], completions: list[str],
-                columns: dict[str, list[Any]]) -> tuple[list[float | None], str | None]:
-    """(values, None) on success; ([None] * N, why) when the call failed in any way."""
+                columns: dict[str, list[Any]]) -> RewardCall:
+    """Call one reward function on a batch, never raising.
+
+    - The batch call raises: the function is called again on each completion alone, so one
+      malformed completion costs only its own score; the ones that still raise are lost.
+    - A wrong number of values: the whole batch is lost (the values cannot be matched up).
+    - A value that is not a finite number or None (NaN, inf, a string): that value is lost.
+    Lost scores are None and counted in `failures`.
+    """
     count = len(completions)
     passed = {
         key: values
@@ -78,16 +98,34 @@ def call_reward(function: RewardFunction, prompts: list[str], completions: list[
     try:
         values = list(function.fn(prompts, completions, **passed))
     except Exception as error:  # a user's function may fail in any way; the run goes on
-        return [None] * count, f"raised {type(error).__name__}: {error}"
+        if count == 1:
+            return RewardCall([None], 1, f"raised {type(error).__name__}: {error}")
+        return _call_one_by_one(function, prompts, completions, passed)
     if len(values) != count:
-        return [None] * count, f"returned {len(values)} values for {count} completions"
+        return RewardCall([None] * count, count, f"returned {len(values)} values for {count} completions")
     scores: list[float | None] = []
+    failures, why = 0, None
     for value in values:
         score = _as_score(value)
         if score is _INVALID:
-            return [None] * count, f"returned {value!r}; each value must be a finite number or None"
+            failures += 1
+            why = why or f"returned {value!r}; each value must be a finite number or None"
+            score = None
         scores.append(score)
-    return scores, None
+    return RewardCall(scores, failures, why)
+
+
+def _call_one_by_one(function: RewardFunction, prompts: list[str], completions: list[str],
+                     passed: dict[str, list[Any]]) -> RewardCall:
+    scores: list[float | None] = []
+    failures, why = 0, None
+    for index in range(len(completions)):
+        single = {key: values[index:index + 1] for key, values in passed.items()}
+        result = call_reward(function, prompts[index:index + 1], completions[index:index + 1], single)
+        scores.append(result.values[0] if len(result.values) == 1 else None)
+        failures += result.failures
+        why = why or result.error
+    return RewardCall(scores, failures, why)
 
 
 _INVALID = object()
@@ -106,16 +144,33 @@ def _as_score(value: Any) -> Any:
     return score if math.isfinite(score) else _INVALID
 
 
+class RewardError(ConfigError):
+    """A reward function failed on too many completions of a step: a bug, not bad luck."""
+
+
 class RewardScorer:
     """Scores completions with the configured functions (reward.functions) and combines them
-    with reward.clip and reward.normalize_each (see combine_rewards)."""
+    with reward.clip and reward.normalize_each (see combine_rewards).
 
-    def __init__(self, entries: Any, clip: Any = None, normalize_each: bool = False, std_eps: float = 1e-4):
-        self.functions = build_reward_functions(entries)
+    A function whose scores are lost (see call_reward) on more than `max_error_fraction` of the
+    completions of one call stops the run with a RewardError naming it and its first error.
+    """
+
+    def __init__(self, entries: Any, clip: Any = None, normalize_each: bool = False,
+                 std_eps: float = 1e-4, max_error_fraction: float = 1.0, workers: int = 1):
+        self.functions = build_reward_functions(entries, shared={"workers": workers})
         self.weights = {function.name: function.weight for function in self.functions}
         self.clip = (float(clip[0]), float(clip[1])) if clip is not None else None
         self.normalize_each = normalize_each
         self.std_eps = std_eps
+        self.max_error_fraction = max_error_fraction
+
+    @classmethod
+    def from_config(cls, reward: Any, std_eps: float) -> "RewardScorer":
+        """From the reward config group (functions, clip, normalize_each, max_error_fraction,
+        workers) and trainer.std_eps."""
+        return cls(reward.functions, reward.clip, reward.normalize_each, std_eps,
+                   reward.max_error_fraction, reward.workers)
 
     @property
     def names(self) -> list[str]:
@@ -123,21 +178,36 @@ class RewardScorer:
 
     def score_texts(self, prompts: list[str], completions: list[str],
                     columns: dict[str, list[Any]], shape: tuple[int, ...]) -> Rewards:
-        per_function, errors = {}, {}
+        per_function, errors, error_counts = {}, {}, {}
         for function in self.functions:
-            values, error = call_reward(function, prompts, completions, columns)
+            values, failures, error = call_reward(function, prompts, completions, columns)
+            error_counts[function.name] = failures
             if error is not None:
                 errors[function.name] = error
+            if failures > self.max_error_fraction * len(completions):
+                raise RewardError(
+                    f"Reward function {function.name} failed on {failures} of {len(completions)} "
+                    f"completions, more than reward.max_error_fraction={self.max_error_fraction}; "
+                    f"the first failure: {error}. A reward function must return one finite number "
+                    "(or None for no opinion) per completion and should not raise on malformed model "
+                    "output. Fix it (or raise reward.max_error_fraction), then continue from the last "
+                    "checkpoint with trainer.resume=true."
+                )
             scores = torch.tensor([math.nan if v is None else v for v in values], dtype=torch.float32)
             per_function[function.name] = scores.view(shape)
         total = combine_rewards(per_function, self.weights, self.clip)  # None adds nothing
-        return Rewards(total=total, per_function=per_function, errors=errors)
+        return Rewards(total=total, per_function=per_function, errors=errors, error_counts=error_counts)
 
     def score(self, rollout: Rollout) -> Rewards:
         """Rewards of a rollout's B x G completions; with normalize_each also `shaped`, the sum
-        of per-function group z-scores that the advantages are computed from."""
+        of per-function group z-scores that the advantages are computed from.
+
+        Functions also receive `completion_length` (tokens of each completion, EOS included)
+        when they accept it.
+        """
         shape = (rollout.num_prompts, rollout.group_size)
-        rewards = self.score_texts(rollout.prompts, rollout.completions, rollout.columns, shape)
+        columns = {**rollout.columns, "completion_length": rollout.completion_mask.sum(dim=1).tolist()}
+        rewards = self.score_texts(rollout.prompts, rollout.completions, columns, shape)
         if self.normalize_each:
             rewards.shaped = combine_rewards(rewards.per_function, self.weights, self.clip,
                                              normalize_each=True, std_eps=self.std_eps)

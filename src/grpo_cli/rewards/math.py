@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import re
 from typing import Any, Optional
 
@@ -77,7 +78,8 @@ def _as_number(text: str) -> Optional[float]:
 def is_equivalent(predicted: str, gold: str) -> bool:
     left, right = _as_number(predicted), _as_number(gold)
     if left is not None and right is not None:
-        return abs(left - right) <= 1e-6 * max(1.0, abs(right))
+        # Tight: a relative 1e-6 would call 1,450,001 equal to 1,450,000.
+        return math.isclose(left, right, rel_tol=1e-9, abs_tol=1e-9)
     try:
         return bool(verify(parse(_latex(gold)), parse(_latex(predicted))))
     except Exception:  # math-verify on arbitrary model text: any failure means "not equal"

@@ -1,0 +1,91 @@
+"""Code-execution reward: run the model's Python against the dataset's tests, in the sandbox.
+
+Each run is one child process (see `grpo_cli.rewards.sandbox`); a thread pool of `workers`
+threads only starts and waits on them, so the isolation never depends on the threads.
+"""
+
+from __future__ import annotations
+
+import re
+import secrets
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+from grpo_cli.rewards.sandbox import run_sandboxed
+
+# An opening fence with its language tag, the body, and the closing fence or the end of the
+# text (a completion cut off by the token limit leaves its last block open).
+FENCE = re.compile(r"```[ \t]*([\w+-]*)[^\n]*\n(.*?)(?:```|\Z)", re.DOTALL)
+PYTHON_TAGS = {"python", "py", "python3", ""}
+
+
+def extract_code(completion: str) -> str:
+    """The last ```python, ```py or bare ``` block of the completion; the whole text when none.
+
+    >>> extract_code("first\\n```python\\nx = 1\\n```\\nthen\\n```py\\nx = 2\\n```")
+    'x = 2\\n'
+    """
+    blocks = [body for tag, body in FENCE.findall(str(completion)) if tag.lower() in PYTHON_TAGS]
+    return blocks[-1] if blocks else str(completion)
+
+
+def _test_snippets(entry: Any) -> list[str] | None:
+    """The snippets to run, one sandbox run each; None when there is nothing to test."""
+    if entry is None:
+        return None
+    if isinstance(entry, str):
+        return [entry] if entry.strip() else None
+    try:
+        snippets = [str(snippet) for snippet in entry]
+    except TypeError:
+        return [str(entry)]
+    return snippets or None
+
+
+def _passes(code: str, snippet: str, timeout: float, memory_mb: int) -> bool | None:
+    """True when code + snippet ran to the end and exited 0; False when not; None on timeout.
+
+    The program's last statement prints a random marker: a run only passes when it is seen, so
+    code that calls sys.exit(0) or os._exit(0) before the tests run does not pass them."""
+    marker = f"__grpo_tests_done_{secrets.token_hex(8)}__"
+    program = f"{code}\n\n{snippet}\n\nprint({marker!r}, flush=True)\n"
+    result = run_sandboxed(program, timeout=timeout, memory_mb=memory_mb)
+    if result.timed_out:
+        return None
+    return result.exit_code == 0 and marker in result.stdout_tail
+
+
+def code_execution(prompts: list[str], completions: list[str], tests: list[Any],
+                   timeout: float = 5.0, timeout_penalty: float = -0.1, memory_mb: int = 512,
+                   workers: int = 4, **_: Any) -> list[float | None]:
+    """Run each completion's code against its `tests` entry in the sandbox.
+
+    The code is `extract_code(completion)`. A `tests` entry is
+    - a string: one program, the code followed by the tests; 1.0 when it exits 0, else 0.0,
+      and `timeout_penalty` when it timed out;
+    - a list of strings: each snippet runs after the code in a run of its own; the reward is the
+      fraction that passed (a timed-out run counts as failed), except when every run timed out:
+      then `timeout_penalty`. E.g. 2 passed, 1 timed out of 3 -> 0.6667; 3 timed out -> -0.1;
+    - None, "" or []: None ("no opinion").
+    A run passes when it exits 0 after running the whole program: a test snippet must not call
+    sys.exit itself. Runs for all completions go in parallel on `workers` threads.
+    """
+    del prompts  # the tests say everything the reward needs
+    snippets = [_test_snippets(entry) for entry in tests]
+    jobs = [(index, extract_code(completions[index]), snippet)
+            for index, entry in enumerate(snippets) for snippet in entry or []]
+    with ThreadPoolExecutor(max_workers=max(1, workers)) as pool:
+        outcomes = list(pool.map(lambda job: _passes(job[1], job[2], timeout, memory_mb), jobs))
+    by_completion: dict[int, list[bool | None]] = {}
+    for (index, _code, _snippet), outcome in zip(jobs, outcomes):
+        by_completion.setdefault(index, []).append(outcome)
+    rewards: list[float | None] = []
+    for index in range(len(completions)):
+        results = by_completion.get(index)
+        if not results:
+            rewards.append(None)
+        elif all(outcome is None for outcome in results):
+            rewards.append(float(timeout_penalty))
+        else:
+            rewards.append(sum(outcome is True for outcome in results) / len(results))
+    return rewards
