@@ -14,7 +14,7 @@ from helpers import TESTS_DIR, grpo_train
 
 # Small and quick: 4 prompts x G=4, 6 eval prompts.
 QUICK = ["data.prompts_per_step=4", "sampler.group_size=4", "data.eval_size=6", "trainer.log_every=1"]
-TIMING_KEYS = ("time/", "tokens_per_second")
+TIMING_KEYS = ("time/", "tokens_per_second", "memory/")  # measured, not computed
 
 
 def comparable(row: dict) -> dict:

@@ -25,3 +25,21 @@ def test_run_raises_greedy_eval_accuracy(tmp_path, tiny_model_dir, algorithm):
     assert rows[-1]["step"] == 700
     assert after >= 0.45 and after >= before + 0.25, result.stdout[-2000:]
     assert "greedy eval accuracy, before -> after" in result.stdout
+
+
+@pytest.mark.slow
+def test_a_1000_step_run_keeps_memory_flat_and_step_time_steady(tmp_path, tiny_model_dir):
+    run_dir = tmp_path / "long"
+    grpo_train("trainer.steps=1000", "trainer.log_every=100", f"hydra.run.dir={run_dir}")
+    rows = {row["step"]: row for row in read_metrics(run_dir)}
+    early, late = rows[100]["memory/rss_gb"], rows[1000]["memory/rss_gb"]
+    print(f"resident memory: step 100 {early:.3f} GB, step 1000 {late:.3f} GB")
+    assert late <= 1.10 * early
+
+    def median_step_time(first: int, last: int) -> float:
+        times = sorted(rows[step]["time/step"] for step in range(first, last + 1))
+        return times[len(times) // 2]
+
+    early_time, late_time = median_step_time(101, 200), median_step_time(901, 1000)
+    print(f"median step time: steps 101-200 {early_time:.3f} s, steps 901-1000 {late_time:.3f} s")
+    assert late_time <= 1.5 * early_time

@@ -8,7 +8,9 @@ Layout of one checkpoint, `OUTPUT_DIR/checkpoints/step-000050/`:
 - `meta.json`: step, that step's mean reward and KL, written last: a folder without it is
   incomplete and never resumed from.
 Each checkpoint is written into a hidden temporary folder, flushed to disk, then renamed into
-place, so a run killed mid-save leaves the previous checkpoints intact.
+place (and the rename flushed), so a run killed mid-save leaves the previous checkpoints
+intact. Kept: the newest `trainer.keep_last` and the `trainer.keep_best` with the highest mean
+reward.
 """
 
 from __future__ import annotations
@@ -22,6 +24,8 @@ from typing import Any, Optional
 
 import numpy as np
 import torch
+
+from grpo_cli.config import ConfigError
 
 STATE_FILE = "trainer_state.pt"
 META_FILE = "meta.json"
@@ -51,6 +55,20 @@ def _fsync_tree(folder: Path) -> None:
         if path.is_file():
             with path.open("rb") as handle:
                 os.fsync(handle.fileno())
+    _fsync_dir(folder)
+
+
+def _fsync_dir(folder: Path) -> None:
+    """Make a rename or a new entry in `folder` durable (a crash could otherwise undo it)."""
+    descriptor = os.open(folder, os.O_RDONLY)
+    try:
+        os.fsync(descriptor)
+    finally:
+        os.close(descriptor)
+
+
+class CheckpointError(ConfigError):
+    """A checkpoint could not be written (disk full, no permission). The CLI prints it, exits 2."""
 
 
 def save_checkpoint(
@@ -61,25 +79,65 @@ def save_checkpoint(
     trainer_state: dict[str, Any],
     meta: dict[str, Any],
     keep_last: int,
+    keep_best: int = 0,
 ) -> Path:
-    """Write checkpoint `step` atomically, then delete all but the newest `keep_last`."""
+    """Write checkpoint `step` atomically, then delete all but the newest `keep_last` and the
+    `keep_best` with the highest `reward_mean` in their meta.json.
+
+    A failure while writing (disk full, ...) removes the partial copy and raises CheckpointError
+    saying which complete checkpoint survived."""
     root = checkpoints_dir(output_dir)
-    root.mkdir(parents=True, exist_ok=True)
     final = root / f"step-{step:06d}"
     staging = root / f".partial-{final.name}"
-    shutil.rmtree(staging, ignore_errors=True)
-    staging.mkdir()
-    policy.save_pretrained(staging)
-    tokenizer.save_pretrained(staging)
-    torch.save({**trainer_state, "step": step, "rng": rng_state()}, staging / STATE_FILE)
-    (staging / META_FILE).write_text(json.dumps({"step": step, **meta}, indent=2) + "\n")
-    _fsync_tree(staging)
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(staging, ignore_errors=True)
+        staging.mkdir()
+        policy.save_pretrained(staging)
+        tokenizer.save_pretrained(staging)
+        torch.save({**trainer_state, "step": step, "rng": rng_state()}, staging / STATE_FILE)
+        (staging / META_FILE).write_text(json.dumps({"step": step, **meta}, indent=2) + "\n")
+        _fsync_tree(staging)
+    except OSError as error:
+        shutil.rmtree(staging, ignore_errors=True)
+        survivor = latest_checkpoint(output_dir)
+        kept = f"the newest complete checkpoint, {survivor}, is intact" if survivor else "no earlier checkpoint exists"
+        raise CheckpointError(
+            f"Could not write checkpoint {final}: {error.strerror or error}. The partial copy was "
+            f"removed and {kept}. Free space (or fix the folder's permissions), then continue "
+            "with trainer.resume=true."
+        ) from None
     if final.exists():  # a rerun of the same step replaces the old copy
         shutil.rmtree(final)
     os.replace(staging, final)
-    for old in complete_checkpoints(output_dir)[:-keep_last]:
+    _fsync_dir(root)
+    for old in checkpoints_to_delete(complete_checkpoints(output_dir), keep_last, keep_best):
         shutil.rmtree(old, ignore_errors=True)
     return final
+
+
+def checkpoints_to_delete(checkpoints: list[Path], keep_last: int, keep_best: int) -> list[Path]:
+    """All but the newest `keep_last` (oldest first in `checkpoints`) and the `keep_best` with
+    the highest reward_mean (ties: the newer one)."""
+    newest = set(checkpoints[-keep_last:]) if keep_last > 0 else set()
+    scored = [(read_meta(path).get("reward_mean"), index, path) for index, path in enumerate(checkpoints)]
+    ranked = sorted((item for item in scored if isinstance(item[0], (int, float))), reverse=True)
+    best = {path for _, _, path in ranked[:keep_best]}
+    return [path for path in checkpoints if path not in newest | best]
+
+
+def read_meta(checkpoint: Path) -> dict[str, Any]:
+    try:
+        return json.loads((checkpoint / META_FILE).read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def best_checkpoint(output_dir: Path) -> Optional[Path]:
+    """The complete checkpoint with the highest reward_mean (ties: the newest); None if none."""
+    kept = complete_checkpoints(output_dir)
+    survivors = [path for path in kept if path not in checkpoints_to_delete(kept, 0, 1)]
+    return survivors[0] if survivors else None
 
 
 def complete_checkpoints(output_dir: Path) -> list[Path]:
@@ -99,3 +157,22 @@ def latest_checkpoint(output_dir: Path) -> Optional[Path]:
 def load_trainer_state(checkpoint: Path) -> dict[str, Any]:
     # Our own file, holding numpy RNG state and optimizer tensors: not a weights-only pickle.
     return torch.load(checkpoint / STATE_FILE, map_location="cpu", weights_only=False)
+
+
+def load_policy_weights(policy: torch.nn.Module, checkpoint: Path) -> None:
+    """Put a checkpoint's trained weights back into the live policy (the guard's rollback):
+    the LoRA adapter for a PEFT model, else every tensor of the model's safetensors files."""
+    from safetensors.torch import load_file
+
+    if hasattr(policy, "peft_config"):
+        from peft import set_peft_model_state_dict
+
+        set_peft_model_state_dict(policy, load_file(checkpoint / "adapter_model.safetensors"))
+        return
+    weights: dict[str, torch.Tensor] = {}
+    for shard in sorted(checkpoint.glob("*.safetensors")):
+        weights.update(load_file(shard))
+    result = policy.load_state_dict(weights, strict=False)
+    if result.unexpected_keys or not weights:
+        raise CheckpointError(f"{checkpoint} does not hold this model's weights "
+                              f"(unexpected: {result.unexpected_keys[:5]}).")

@@ -11,7 +11,8 @@ raises one `ConfigError` naming every key involved.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+import os
+from dataclasses import dataclass, field, fields, is_dataclass
 from pathlib import Path
 from typing import Any, List, Optional
 
@@ -130,6 +131,24 @@ class OptimizerConfig:
 
 
 @dataclass
+class GuardConfig:
+    enabled: bool = False
+    """Watch for collapse and roll back to the last good checkpoint instead of training on."""
+    window: int = 20
+    """Steps in the moving mean of reward/mean that the drop is measured on."""
+    reward_drop: float = 0.3
+    """Trigger when the windowed mean reward falls this far (reward units) below its best."""
+    max_kl: float = 1.0
+    """Trigger when the step's mean per-token KL to the reference exceeds this."""
+    beta_factor: float = 2.0
+    """Multiply beta by this at each rollback (a too-small KL coefficient is the usual cause)."""
+    lr_factor: float = 1.0
+    """Multiply the learning rate by this at each rollback (1: unchanged)."""
+    max_rollbacks: int = 3
+    """After this many rollbacks the next trigger stops the run, with a report."""
+
+
+@dataclass
 class TrainerConfig:
     steps: int = 100
     """Training steps; each samples prompts_per_step x group_size completions."""
@@ -168,7 +187,9 @@ class TrainerConfig:
     checkpoint_every: int = 50
     """Save a checkpoint every N steps (and at the end); 0 saves only at the end."""
     keep_last: int = 3
-    """Checkpoints kept on disk; older ones are deleted."""
+    """The newest checkpoints kept on disk; older ones are deleted (except the best, below)."""
+    keep_best: int = 1
+    """Also keep this many checkpoints with the highest mean reward (0: only the newest)."""
     resume: Any = False
     """false | true (newest checkpoint in output_dir) | a checkpoint folder."""
     seed: int = 0
@@ -181,6 +202,9 @@ class TrainerConfig:
     """Run the greedy eval every N steps; 0 = only before the first and after the last step."""
     output_dir: Optional[str] = None
     """Where the run writes. Unset: Hydra's run directory (outputs/DATE/TIME, or the multirun job dir)."""
+    guard: GuardConfig = field(default_factory=GuardConfig)
+    """The collapse guard: NaN/inf loss or gradients, a reward drop, or KL above a bound roll the
+    run back to the last good checkpoint with beta raised (docs/ALGORITHM.md, README)."""
 
 
 @dataclass
@@ -209,6 +233,39 @@ def register_configs() -> None:
     store.store(name="base_config", node=Config)
     for group, schema in GROUP_SCHEMAS.items():
         store.store(group=group, name=f"base_{group}", node=schema)
+
+
+def schema_keys(schema: Optional[type] = None, prefix: str = "") -> list[str]:
+    """Every dotted key of the schema (`trainer.beta`, `model.lora.r`, ...), for suggestions."""
+    keys = []
+    for item in fields(schema or Config):
+        key = prefix + item.name
+        nested = _schema_class(item.type)
+        keys += schema_keys(nested, key + ".") if nested else [key]
+    return keys
+
+
+def schema_type(key: str) -> Optional[str]:
+    """The type a key is declared with, as written in its dataclass (`int`, `List[str]`), or None."""
+    schema: Any = Config
+    *groups, name = key.split(".")
+    for group in groups:
+        found = {item.name: item for item in fields(schema)}.get(group)
+        schema = _schema_class(found.type) if found else None
+        if schema is None:
+            return None
+    found = {item.name: item for item in fields(schema)}.get(name)
+    if found is None:
+        return None
+    written = found.type if isinstance(found.type, str) else getattr(found.type, "__name__", str(found.type))
+    return {"int": "a whole number", "float": "a number", "bool": "true or false",
+            "str": "a string"}.get(written, f"a value of type {written}")
+
+
+def _schema_class(annotation: Any) -> Optional[type]:
+    """The dataclass an annotation names (annotations are strings here), or None for a leaf."""
+    found = globals().get(annotation) if isinstance(annotation, str) else annotation
+    return found if isinstance(found, type) and is_dataclass(found) else None
 
 
 CHOICES = {
@@ -262,13 +319,18 @@ def validate(cfg: Any, check_files: bool = True) -> None:
         "trainer.steps": trainer.steps,
         "trainer.num_iterations": trainer.num_iterations,
         "sampler.max_new_tokens": sampler.max_new_tokens,
-        "sampler.temperature": sampler.temperature,
         "optimizer.lr": cfg.optimizer.lr,
     }
     problems += [f"{key}={value} must be positive." for key, value in positive.items() if value <= 0]
+    if not sampler.temperature > 0:
+        problems.append(
+            f"sampler.temperature={sampler.temperature} must be positive: GRPO needs sampled groups "
+            "whose completions differ (greedy decoding gives G copies of one answer). Use 0.6 to 1.0."
+        )
     non_negative = {
         "trainer.clip_eps": trainer.clip_eps,
         "trainer.max_resample_rounds": trainer.max_resample_rounds,
+        "trainer.keep_best": trainer.keep_best,
         "trainer.std_threshold": trainer.std_threshold,
         "trainer.checkpoint_every": trainer.checkpoint_every,
         "trainer.log_every": trainer.log_every,
@@ -313,12 +375,18 @@ def validate(cfg: Any, check_files: bool = True) -> None:
     problems += _reward_problems(cfg.reward.functions)
 
     if check_files:
-        from grpo_cli.prompts import data_problems  # reads only the first record of each file
+        from grpo_cli.models import local_tokenizer_and_context
+        from grpo_cli.prompts import data_problems
 
-        problems += data_problems(data)
-        if isinstance(resume, str) and resume.lower() not in ("true", "false"):
-            if not Path(resume).is_dir():
-                problems.append(f"trainer.resume={resume}: no such checkpoint folder.")
+        try:  # no weights, no download: the tokenizer and config.json of a model on this machine
+            model = local_tokenizer_and_context(cfg.model)
+        except ConfigError as error:
+            problems.append(str(error))
+            model = None
+        problems += data_problems(data, model, sampler.max_new_tokens)
+        problems += output_dir_problems(trainer.output_dir)
+        if isinstance(resume, bool) or (isinstance(resume, str) and resume):
+            problems += resume_problems(cfg)
 
     if problems:
         raise ConfigError(
@@ -326,6 +394,94 @@ def validate(cfg: Any, check_files: bool = True) -> None:
             + "\n  - ".join(problems)
             + "\nFix these keys on the command line (key=value) or in your preset."
         )
+
+
+def output_dir_problems(output_dir: Optional[str]) -> list[str]:
+    """trainer.output_dir must be a folder we can create (or is one) and write to."""
+    if not output_dir:
+        return []
+    existing = Path(output_dir).expanduser().absolute()
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if not existing.is_dir():
+        why = f"{existing} is a file, so no folder can be made under it"
+    elif not os.access(existing, os.W_OK | os.X_OK):
+        why = f"{existing} is not writable by this user"
+    else:
+        return []
+    return [f"trainer.output_dir={output_dir}: {why}. Point trainer.output_dir (or hydra.run.dir) "
+            "at a folder you can write to."]
+
+
+RESUME_KEYS = ("model.name_or_path", "model.lora.enabled", "model.lora.r",
+               "model.lora.target_modules", "model.quantization")
+LORA_SHAPE_KEYS = ("model.lora.r", "model.lora.target_modules")  # compared only when both use LoRA
+
+
+def resume_problems(cfg: Any) -> list[str]:
+    """trainer.resume must name a complete checkpoint made with this model set-up.
+
+    The checkpoint `RUN/checkpoints/step-N` was written by the run whose resolved config is
+    `RUN/config.yaml`; the keys of RESUME_KEYS decide whether its weights (or adapter) fit the
+    model this config loads, so any difference is reported with both values. A checkpoint copied
+    away from its run folder is checked by what it holds: an adapter only fits a LoRA config.
+    `trainer.resume=true` with no checkpoint yet is left to pipeline, which says where it looked.
+    """
+    from grpo_cli.checkpoint import META_FILE, STATE_FILE, latest_checkpoint
+
+    mode = resume_mode(cfg.trainer.resume)
+    if mode is None:
+        return []
+    if mode == "latest":
+        checkpoint = latest_checkpoint(Path(cfg.trainer.output_dir)) if cfg.trainer.output_dir else None
+        if checkpoint is None:
+            return []
+    else:
+        checkpoint = Path(mode)
+        if not checkpoint.is_dir():
+            return [f"trainer.resume={mode}: no such checkpoint folder. Give a folder such as "
+                    "RUN/checkpoints/step-000100, or trainer.resume=true for the newest in the run folder."]
+        missing = [name for name in (META_FILE, STATE_FILE) if not (checkpoint / name).is_file()]
+        if missing:
+            return [f"trainer.resume={mode}: not a complete checkpoint (no {' or '.join(missing)}). "
+                    "Give a folder such as RUN/checkpoints/step-000100 (a folder without meta.json "
+                    "is a save that was cut off), or trainer.resume=true for the newest complete one."]
+    saved = checkpoint.parent.parent / "config.yaml"
+    model = cfg.model
+    if not saved.is_file():
+        has_adapter = (checkpoint / "adapter_config.json").is_file()
+        if has_adapter != bool(model.lora.enabled):
+            held = "a LoRA adapter" if has_adapter else "full model weights"
+            return [f"trainer.resume={checkpoint}: the checkpoint holds {held}, but "
+                    f"model.lora.enabled={model.lora.enabled}. Resume with the set-up it was made with."]
+        return []
+    before = OmegaConf.load(saved)
+    both_lora = bool(OmegaConf.select(before, "model.lora.enabled")) and bool(model.lora.enabled)
+    differ = []
+    for key in RESUME_KEYS:
+        if key in LORA_SHAPE_KEYS and not both_lora:
+            continue
+        old, new = (_plain(OmegaConf.select(c, key)) for c in (before, cfg))
+        if key == "model.name_or_path" and _same_model(old, new):
+            continue
+        if old != new:
+            differ.append(f"{key} was {old!r}, now {new!r}")
+    if not differ:
+        return []
+    return [f"trainer.resume: checkpoint {checkpoint} was made with another model set-up (its run's "
+            f"config: {saved}): {'; '.join(differ)}. Resume with the values it was made with, or "
+            "start a fresh run (trainer.resume=false) in another folder."]
+
+
+def _plain(value: Any) -> Any:
+    return OmegaConf.to_container(value, resolve=True) if OmegaConf.is_config(value) else value
+
+
+def _same_model(old: Any, new: Any) -> bool:
+    if old == new:
+        return True
+    paths = [Path(str(v)).expanduser() for v in (old, new)]
+    return all(p.is_dir() for p in paths) and paths[0].resolve() == paths[1].resolve()
 
 
 def _reward_problems(functions: Any) -> list[str]:

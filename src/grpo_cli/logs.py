@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +33,17 @@ def _format(value: Any) -> str:
     if isinstance(value, float):
         return f"{value:.4g}" if abs(value) >= 1e-3 or value == 0 else f"{value:.2e}"
     return str(value)
+
+
+def resident_memory_gb() -> float:
+    """This process's resident memory now (Linux /proc), else its peak (getrusage)."""
+    try:
+        with open("/proc/self/statm") as statm:
+            return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 1e9
+    except (OSError, ValueError, IndexError):
+        import resource
+
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6  # KiB on Linux
 
 
 def read_metrics(output_dir: Path) -> list[dict[str, Any]]:

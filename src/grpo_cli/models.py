@@ -9,10 +9,12 @@ The reference model is what the KL term compares against:
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import os
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator, Optional
+from typing import Any, Iterator, Optional
 
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
@@ -40,7 +42,13 @@ def resolve_device(setting: str) -> torch.device:
             f"trainer.device={setting}, but torch sees no CUDA device (torch {torch.__version__}). "
             "Use trainer.device=cpu or auto, or install a CUDA build of torch."
         )
-    return torch.device(setting)
+    device = torch.device(setting)
+    if device.type == "cuda" and device.index is not None and device.index >= torch.cuda.device_count():
+        raise ConfigError(
+            f"trainer.device={setting}, but torch sees {torch.cuda.device_count()} CUDA device(s), "
+            f"numbered from 0. Use trainer.device=cuda:0 (or check CUDA_VISIBLE_DEVICES)."
+        )
+    return device
 
 
 def resolve_dtype(setting: str, device: torch.device) -> torch.dtype:
@@ -58,14 +66,10 @@ def check_model_source(cfg: ModelConfig) -> str:
     A local folder is used as is. A hub id is looked up in the local Hugging Face cache first;
     only then (unless HF_HUB_OFFLINE=1) on the hub.
     """
-    source = resolve_builtin(cfg.name_or_path)
-    if Path(source).is_dir():
-        if not (Path(source) / "config.json").is_file():
-            raise ConfigError(
-                f"model.name_or_path={cfg.name_or_path}: the folder has no config.json, so it is "
-                "not a Hugging Face model folder (save one with model.save_pretrained(folder))."
-            )
+    source = _local_folder(cfg)
+    if source is not None:
         return source
+    source = cfg.name_or_path
     attempts = [True] if os.environ.get("HF_HUB_OFFLINE") == "1" else [True, False]
     error: Exception | None = None
     for local_only in attempts:
@@ -85,8 +89,74 @@ def check_model_source(cfg: ModelConfig) -> str:
     )
 
 
+def _local_folder(cfg: ModelConfig) -> Optional[str]:
+    """The model's folder when it is one (built-in models are built now), after checking that its
+    config.json is there and parses; None for a name that can only be a hub id."""
+    source = resolve_builtin(cfg.name_or_path)
+    folder = Path(source).expanduser()
+    if not folder.is_dir():
+        if folder.exists() or source.startswith(("/", "./", "../", "~")) or source.count("/") > 1:
+            what = "is a file, not a model folder" if folder.exists() else "does not exist"
+            raise ConfigError(
+                f"model.name_or_path={cfg.name_or_path}: {folder} {what}. Give a Hugging Face model "
+                "folder (it holds config.json and the weights) or a hub id such as Qwen/Qwen2.5-0.5B-Instruct."
+            )
+        return None
+    config_file = folder / "config.json"
+    if not config_file.is_file():
+        raise ConfigError(
+            f"model.name_or_path={cfg.name_or_path}: the folder has no config.json, so it is "
+            "not a Hugging Face model folder (save one with model.save_pretrained(folder))."
+        )
+    try:
+        AutoConfig.from_pretrained(str(folder), trust_remote_code=cfg.trust_remote_code)
+    except (OSError, ValueError) as error:
+        raise ConfigError(
+            f"model.name_or_path={cfg.name_or_path}: {config_file} cannot be read "
+            f"({_first_line(error)}). Restore it from the model's source (or save the model again "
+            "with save_pretrained)."
+        ) from None
+    return str(folder)
+
+
+def _first_line(error: BaseException) -> str:
+    lines = str(error).strip().splitlines()
+    return lines[0].rstrip(".") if lines else type(error).__name__
+
+
+def local_tokenizer_and_context(cfg: ModelConfig) -> Optional[tuple[Any, Optional[int]]]:
+    """The tokenizer and context length (positions) of a model already on this machine, for
+    `validate`: no weights are loaded and nothing is downloaded. None for a hub id that is not in
+    the local cache (load_models fetches it, or says why not). ConfigError for a broken folder.
+    """
+    source = _local_folder(cfg) or cfg.name_or_path
+    try:
+        config = AutoConfig.from_pretrained(source, local_files_only=True,
+                                            trust_remote_code=cfg.trust_remote_code)
+        tokenizer = AutoTokenizer.from_pretrained(source, local_files_only=True,
+                                                  trust_remote_code=cfg.trust_remote_code)
+    except (OSError, ValueError):  # not in the cache: load_models reports it with the hub's answer
+        return None
+    return tokenizer, context_length(config)
+
+
+def context_length(config: Any) -> Optional[int]:
+    """Positions the model can attend over (prompt + completion), from its config.json."""
+    for name in ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length"):
+        value = getattr(config, name, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    return None
+
+
 def _quantization_config(cfg: ModelConfig, dtype: torch.dtype):
     from transformers import BitsAndBytesConfig
+
+    if importlib.util.find_spec("bitsandbytes") is None:
+        raise ConfigError(
+            f"model.quantization={cfg.quantization} needs the bitsandbytes package, which is not "
+            "installed: `pip install bitsandbytes`, or set model.quantization=none."
+        )
 
     if cfg.quantization == "4bit":
         return BitsAndBytesConfig(
@@ -113,8 +183,7 @@ def load_models(cfg: ModelConfig, beta: float, device: torch.device,
     tokenizer = AutoTokenizer.from_pretrained(
         checkpoint or base_path, trust_remote_code=cfg.trust_remote_code
     )
-    if tokenizer.pad_token is None:
-        tokenizer.pad_token = tokenizer.eos_token
+    fix_special_tokens(tokenizer, cfg.name_or_path)
     tokenizer.padding_side = "left"  # generation appends on the right
 
     lora = cfg.lora.enabled
@@ -142,6 +211,29 @@ def load_models(cfg: ModelConfig, beta: float, device: torch.device,
     return Models(policy, reference, tokenizer, device, base_path, uses_kl=beta > 0)
 
 
+def fix_special_tokens(tokenizer, name_or_path: str) -> None:
+    """Batches are padded and completions end at EOS: the tokenizer needs both tokens.
+
+    No pad token is common (Llama, Mistral) and harmless here: pad = EOS, with a warning, since
+    the attention mask (not the token) is what keeps padding out. No EOS token is an error: the
+    sampler could not tell a finished completion from a cut-off one.
+    """
+    if tokenizer.eos_token is None:
+        raise ConfigError(
+            f"model.name_or_path={name_or_path}: the tokenizer has no EOS token, so a finished "
+            "completion cannot be told from a cut-off one. Set eos_token in the folder's "
+            "tokenizer_config.json (or special_tokens_map.json)."
+        )
+    if tokenizer.pad_token is None:
+        warnings.warn(
+            f"model.name_or_path={name_or_path}: the tokenizer has no pad token; padding with the "
+            f"EOS token {tokenizer.eos_token!r} (the attention mask keeps it out of the model). Set "
+            "pad_token in tokenizer_config.json to silence this.",
+            UserWarning, stacklevel=2,
+        )
+        tokenizer.pad_token = tokenizer.eos_token
+
+
 def _attach_adapter(base, cfg: ModelConfig, checkpoint: Optional[str]):
     from peft import LoraConfig as PeftLoraConfig
     from peft import PeftModel, get_peft_model
@@ -156,7 +248,15 @@ def _attach_adapter(base, cfg: ModelConfig, checkpoint: Optional[str]):
         target_modules="all-linear" if targets == ["all-linear"] else targets,
         task_type="CAUSAL_LM",
     )
-    return get_peft_model(base, peft_config)
+    try:
+        return get_peft_model(base, peft_config)
+    except ValueError as error:  # peft: "Target modules {...} not found in the base model"
+        linear = sorted({name.rsplit(".", 1)[-1] for name, module in base.named_modules()
+                         if isinstance(module, torch.nn.Linear)})
+        raise ConfigError(
+            f"model.lora.target_modules={targets}: {_first_line(error)}. This model's linear "
+            f"layers are named {', '.join(linear)} (or use model.lora.target_modules=[all-linear])."
+        ) from None
 
 
 def disable_dropout(model: torch.nn.Module) -> None:

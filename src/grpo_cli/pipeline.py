@@ -21,7 +21,8 @@ from grpo_cli.advantages import group_advantages
 from grpo_cli.checkpoint import latest_checkpoint, load_trainer_state, save_checkpoint, set_rng_state
 from grpo_cli.config import ConfigError, beta_schedule, resume_mode, validate
 from grpo_cli.dynamic import fill_informative_groups
-from grpo_cli.logs import RunLogger, window_mean
+from grpo_cli.guard import GuardState, roll_back, trigger
+from grpo_cli.logs import RunLogger, resident_memory_gb, window_mean
 from grpo_cli.losses import beta_at
 from grpo_cli.models import Models, load_models, resolve_device, trainable_parameters
 from grpo_cli.optim import make_optimizer, make_scheduler
@@ -29,6 +30,7 @@ from grpo_cli.prompts import PromptSource, batches, load_eval_rows
 from grpo_cli.records import Advantages, Rewards, Rollout, UpdateStats
 from grpo_cli.rewards.api import RewardScorer
 from grpo_cli.sampling import make_sampler
+from grpo_cli.stopping import StopRequests
 from grpo_cli.update import update_policy
 
 EVAL_BATCH = 64  # eval prompts per greedy generate call
@@ -62,7 +64,7 @@ def run(cfg: Any) -> RunResult:
     sampler = make_sampler(cfg.sampler, models.tokenizer)
     optimizer = make_optimizer(cfg.optimizer, trainable_parameters(models.policy))
     scheduler = make_scheduler(cfg.optimizer, optimizer, trainer.steps * trainer.num_iterations)
-    start_step = 0
+    start_step, guard_state = 0, GuardState()
     if resume_from is not None:
         state = load_trainer_state(resume_from)
         optimizer.load_state_dict(state["optimizer"])
@@ -70,6 +72,7 @@ def run(cfg: Any) -> RunResult:
         prompts.load_state_dict(state["data"])
         set_rng_state(state["rng"])
         start_step = int(state["step"])
+        guard_state = GuardState.from_state_dict(state.get("guard"))
     OmegaConf.save(cfg, output_dir / "config.yaml", resolve=True)
 
     log = RunLogger(output_dir, trainer.steps, start_step, trainer.log_every)
@@ -83,65 +86,93 @@ def run(cfg: Any) -> RunResult:
         log.print(f"Greedy eval before training: accuracy {eval_before:.3f} on {len(eval_rows)} prompts")
         log.log_step(0, before)  # row 0 of metrics.jsonl: the starting point of every curve
 
-    last_checkpoint, eval_after, step = None, None, start_step
-    for step in range(start_step + 1, trainer.steps + 1):
-        # Sampling randomness is a function of (seed, step) alone, so a resumed run draws
-        # exactly what an unbroken one would have.
-        torch.manual_seed(trainer.seed * 1_000_003 + step)
-        step_started = time.perf_counter()
-        cost = {"sample_seconds": 0.0, "reward_seconds": 0.0, "tokens": 0}
-        rollout, rewards = sample_and_score(sampler, scorer, models, prompts, cost)
-        if trainer.filter_zero_std:  # DAPO dynamic sampling: only groups whose rewards differ
-            filled = fill_informative_groups(
-                rollout, rewards, lambda: sample_and_score(sampler, scorer, models, prompts, cost),
-                target=cfg.data.prompts_per_step, max_rounds=trainer.max_resample_rounds,
-                std_threshold=trainer.std_threshold,
-            )
-            rollout, rewards = filled.rollout, filled.rewards
-        scored = time.perf_counter()
-        advantages = group_advantages(rewards.for_advantages, trainer.std_eps, trainer.std_threshold,
-                                      trainer.advantage)
-        beta = beta_at(betas, step - 1)
-        stats = update_policy(
-            models, rollout, advantages, optimizer, scheduler, trainer, cfg.optimizer.max_grad_norm, beta
+    def checkpoint(step: int, metrics: dict[str, Any], beta: float) -> Path:
+        return save_checkpoint(
+            output_dir, step, models.policy, models.tokenizer,
+            trainer_state={
+                "optimizer": optimizer.state_dict(),
+                "scheduler": scheduler.state_dict(),
+                "data": prompts.state_dict(),
+                "guard": guard_state.state_dict(),
+            },
+            meta={"reward_mean": metrics["reward/mean"], "kl": metrics["kl"], "beta": beta},
+            keep_last=trainer.keep_last,
+            keep_best=trainer.keep_best,
         )
-        updated = time.perf_counter()
 
-        metrics = step_metrics(rollout, rewards, advantages, stats, beta, scheduler.get_last_lr()[0])
-        if trainer.filter_zero_std:
-            metrics.update({
-                "sampling/extra_rounds": filled.extra_rounds,
-                "sampling/informative_groups": filled.informative_groups,
-                "sampling/sampled_groups": filled.sampled_groups,
-            })
-        metrics.update({
-            "time/sample": cost["sample_seconds"],
-            "time/reward": cost["reward_seconds"],
-            "time/update": updated - scored,
-            "time/step": updated - step_started,
-            "tokens_per_second": cost["tokens"] / max(cost["sample_seconds"], 1e-9),  # all rounds
-        })
-        final = step == trainer.steps
-        if eval_rows and (final or (trainer.eval_every and step % trainer.eval_every == 0)):
-            metrics.update(evaluate(models, sampler, prompts, scorer, eval_rows))
-            eval_after = metrics["eval/accuracy"]
-        for name, why in rewards.errors.items():
-            count = rewards.error_counts.get(name, 0)
-            log.print(f"[yellow]step {step}: reward function {name} failed on {count} completions "
-                      f"(first: {why}); those scored None")
-        log.log_step(step, metrics)
+    last_checkpoint, eval_after, step = None, None, start_step
+    with StopRequests() as stop:
+        try:
+            for step in range(start_step + 1, trainer.steps + 1):
+                # Sampling randomness is a function of (seed, step) alone, so a resumed run draws
+                # exactly what an unbroken one would have.
+                torch.manual_seed(trainer.seed * 1_000_003 + step)
+                step_started = time.perf_counter()
+                cost = {"sample_seconds": 0.0, "reward_seconds": 0.0, "tokens": 0}
+                rollout, rewards = sample_and_score(sampler, scorer, models, prompts, cost)
+                if trainer.filter_zero_std:  # DAPO dynamic sampling: only groups whose rewards differ
+                    filled = fill_informative_groups(
+                        rollout, rewards, lambda: sample_and_score(sampler, scorer, models, prompts, cost),
+                        target=cfg.data.prompts_per_step, max_rounds=trainer.max_resample_rounds,
+                        std_threshold=trainer.std_threshold,
+                    )
+                    rollout, rewards = filled.rollout, filled.rewards
+                scored = time.perf_counter()
+                advantages = group_advantages(rewards.for_advantages, trainer.std_eps, trainer.std_threshold,
+                                              trainer.advantage)
+                beta = beta_at(betas, step - 1) * guard_state.beta_scale  # the guard raises it after a rollback
+                stats = update_policy(
+                    models, rollout, advantages, optimizer, scheduler, trainer, cfg.optimizer.max_grad_norm, beta
+                )
+                updated = time.perf_counter()
 
-        if final or (trainer.checkpoint_every and step % trainer.checkpoint_every == 0):
-            last_checkpoint = save_checkpoint(
-                output_dir, step, models.policy, models.tokenizer,
-                trainer_state={
-                    "optimizer": optimizer.state_dict(),
-                    "scheduler": scheduler.state_dict(),
-                    "data": prompts.state_dict(),
-                },
-                meta={"reward_mean": metrics["reward/mean"], "kl": metrics["kl"], "beta": beta},
-                keep_last=trainer.keep_last,
-            )
+                metrics = step_metrics(rollout, rewards, advantages, stats, beta, scheduler.get_last_lr()[0])
+                if trainer.filter_zero_std:
+                    metrics.update({
+                        "sampling/extra_rounds": filled.extra_rounds,
+                        "sampling/informative_groups": filled.informative_groups,
+                        "sampling/sampled_groups": filled.sampled_groups,
+                    })
+                metrics.update({
+                    "time/sample": cost["sample_seconds"],
+                    "time/reward": cost["reward_seconds"],
+                    "time/update": updated - scored,
+                    "time/step": updated - step_started,
+                    "tokens_per_second": cost["tokens"] / max(cost["sample_seconds"], 1e-9),  # all rounds
+                    "memory/rss_gb": resident_memory_gb(),
+                })
+                final = step == trainer.steps
+                if eval_rows and (final or (trainer.eval_every and step % trainer.eval_every == 0)):
+                    metrics.update(evaluate(models, sampler, prompts, scorer, eval_rows))
+                    eval_after = metrics["eval/accuracy"]
+                if trainer.guard.enabled:  # before the checkpoint: a bad step is never saved as good
+                    reason = trigger(trainer.guard, guard_state, step, metrics)
+                    if reason is not None:
+                        target = roll_back(trainer.guard, guard_state, step, reason, output_dir,
+                                           models.policy, optimizer, scheduler)
+                        log.print(f"[yellow]guard: {reason}; rolled back to {target}, beta now "
+                                  f"x{guard_state.beta_scale:g}, learning rate x{guard_state.lr_scale:g}")
+                    metrics["guard/rollbacks"] = len(guard_state.rollbacks)
+                for name, why in rewards.errors.items():
+                    count = rewards.error_counts.get(name, 0)
+                    log.print(f"[yellow]step {step}: reward function {name} failed on {count} completions "
+                              f"(first: {why}); those scored None")
+                log.log_step(step, metrics)
+
+                if final or (trainer.checkpoint_every and step % trainer.checkpoint_every == 0):
+                    last_checkpoint = checkpoint(step, metrics, beta)
+                if stop.requested:  # SIGINT / SIGTERM: the step is done; keep it, then stop
+                    if last_checkpoint is None or last_checkpoint.name != f"step-{step:06d}":
+                        last_checkpoint = checkpoint(step, metrics, beta)
+                    log.print(f"Stopped by {stop.requested} after step {step}; checkpoint {last_checkpoint}. "
+                              f"Continue with the same command plus trainer.resume=true hydra.run.dir={output_dir}")
+                    break
+        except KeyboardInterrupt:  # a second Ctrl-C: stop now, the step in flight is lost
+            log.close()
+            newest = latest_checkpoint(output_dir)
+            log.print(f"Interrupted during step {step}; newest complete checkpoint: {newest or 'none'}. "
+                      f"Continue with trainer.resume=true hydra.run.dir={output_dir}")
+            raise SystemExit(130) from None
     log.close()
     summarize(log, step - start_step, time.perf_counter() - started, eval_before, eval_after,
               last_checkpoint, output_dir)

@@ -12,7 +12,7 @@ import csv
 import json
 import random
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Iterable, Optional
 
 from grpo_cli.config import ConfigError, DataConfig
 from grpo_cli.records import PromptBatch
@@ -30,18 +30,40 @@ def read_rows(path: str, limit: int | None = None) -> list[dict[str, Any]]:
             f"Data file {path}: unknown format '{suffix}'. Use one of {', '.join(FILE_FORMATS)}, or "
             f"a built-in task ({', '.join('synthetic:' + n for n in SYNTHETIC_TASKS)})."
         )
+    if file.is_dir():
+        raise ConfigError(f"Data file {path} is a folder, not a file. Give the file itself in "
+                          "data.path / data.eval_path.")
     if not file.is_file():
         raise ConfigError(f"Data file {path} does not exist. Check data.path / data.eval_path.")
     try:
         rows = list(_iter_rows(file, suffix, limit))
-    except (ValueError, OSError, UnicodeDecodeError) as error:
-        raise ConfigError(f"Data file {path} could not be read as {suffix[1:]}: {error}") from error
+    except UnicodeDecodeError as error:
+        raise ConfigError(
+            f"Data file {path} is not UTF-8 text (line {_first_non_utf8_line(file)}: {error.reason}). "
+            "Save it as UTF-8, or check that the path names the data file and not a binary one."
+        ) from error
+    except PermissionError as error:
+        raise ConfigError(f"Data file {path} cannot be read: permission denied. Make it readable "
+                          f"(chmod a+r {path}).") from error
+    except (ValueError, OSError) as error:
+        raise ConfigError(f"Data file {path} could not be read as {suffix[1:]}: {error}. Fix the file "
+                          f"(or convert it to one of {', '.join(FILE_FORMATS)}).") from error
     bad = next((i for i, row in enumerate(rows) if not isinstance(row, dict)), None)
     if bad is not None:
         raise ConfigError(f"Data file {path}: record {bad + 1} is not an object with named fields.")
     if not rows:
-        raise ConfigError(f"Data file {path} holds no records.")
+        raise ConfigError(f"Data file {path} holds no records. Give data.path / data.eval_path a "
+                          "file with at least one.")
     return rows
+
+
+def _first_non_utf8_line(file: Path) -> int:
+    data = file.read_bytes()
+    try:
+        data.decode("utf-8")
+    except UnicodeDecodeError as error:
+        return data.count(b"\n", 0, error.start) + 1
+    return 1
 
 
 def _iter_rows(file: Path, suffix: str, limit: int | None) -> Iterable[Any]:
@@ -105,26 +127,74 @@ def _unknown_task(path: str) -> str:
     )
 
 
-def data_problems(data: DataConfig) -> list[str]:
-    """The data checks of `validate`: files exist and parse, and the named fields are there."""
+def data_problems(data: DataConfig, model: Optional[tuple[Any, Optional[int]]] = None,
+                  max_new_tokens: int = 0) -> list[str]:
+    """The data checks of `validate`: every file exists and parses, every record has the prompt
+    and answer fields, and (given `model` = (tokenizer, context length)) every formatted prompt
+    plus sampler.max_new_tokens fits the model's context."""
     problems = []
     for key, path in (("data.path", data.path), ("data.eval_path", data.eval_path)):
         if not path:
             continue
         task = synthetic_task_name(path)
         try:
-            first = load_rows(path)[0] if task is not None else read_rows(path, limit=1)[0]
+            rows = load_rows(path)
         except ConfigError as error:
             problems.append(str(error) if task is not None else f"{key}: {error}")
             continue
-        for field_key in ("prompt_field", "answer_field"):
-            name = getattr(data, field_key)
-            if name not in first:
-                problems.append(
-                    f"data.{field_key}={name!r} is not a field of {path}; its first record has "
-                    f"{', '.join(map(repr, first)) or 'no fields'}."
-                )
+        field_problems = _field_problems(data, path, rows)
+        problems += field_problems
+        if model is not None and not field_problems:
+            problems += _length_problems(data, key, path, rows, *model, max_new_tokens)
     return problems
+
+
+def _field_problems(data: DataConfig, path: str, rows: list[dict[str, Any]]) -> list[str]:
+    problems = []
+    for field_key in ("prompt_field", "answer_field"):
+        name = getattr(data, field_key)
+        if name not in rows[0]:
+            problems.append(
+                f"data.{field_key}={name!r} is not a field of {path}; its first record has "
+                f"{', '.join(map(repr, rows[0])) or 'no fields'}."
+            )
+            continue
+        lacking = [number for number, row in enumerate(rows, start=1) if name not in row]
+        if lacking:
+            more = f" (and {len(lacking) - 1} more)" if len(lacking) > 1 else ""
+            problems.append(
+                f"data.{field_key}={name!r}: record {lacking[0]}{more} of {path} has no such field. "
+                "Every record needs it: fix or drop those records."
+            )
+    return problems
+
+
+def _length_problems(data: DataConfig, key: str, path: str, rows: list[dict[str, Any]],
+                     tokenizer, context: Optional[int], max_new_tokens: int) -> list[str]:
+    """Prompt tokens + max_new_tokens must fit in the model's positions, or generation fails
+    (or silently degrades) mid-run on the first long prompt."""
+    if context is None:
+        return []
+    if max_new_tokens >= context:
+        return [f"sampler.max_new_tokens={max_new_tokens} leaves no room for a prompt in the "
+                f"model's context of {context} positions (max_position_embeddings). Lower it."]
+    try:
+        chat = wants_chat_template(data.use_chat_template, tokenizer)
+    except ConfigError as error:
+        return [str(error)]
+    texts = [format_prompt(tokenizer, str(row[data.prompt_field]), data.system_prompt, chat) for row in rows]
+    lengths = [len(ids) for ids in tokenizer(texts, add_special_tokens=not chat, verbose=False)["input_ids"]]
+    too_long = [number for number, length in enumerate(lengths, start=1) if length + max_new_tokens > context]
+    if not too_long:
+        return []
+    first = too_long[0]
+    more = f" (and {len(too_long) - 1} more records)" if len(too_long) > 1 else ""
+    return [
+        f"{key}={path}: record {first}{more} has a prompt of {lengths[first - 1]} tokens; with "
+        f"sampler.max_new_tokens={max_new_tokens} that needs {lengths[first - 1] + max_new_tokens} "
+        f"positions, more than the model's context of {context} (max_position_embeddings). Shorten "
+        "or drop those prompts, or lower sampler.max_new_tokens."
+    ]
 
 
 def format_prompt(tokenizer, text: str, system_prompt: str | None, use_chat_template: bool) -> str:
