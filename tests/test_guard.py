@@ -96,3 +96,25 @@ def test_a_nan_step_never_reaches_the_weights(tiny_model_dir, monkeypatch):
     monkeypatch.setattr(update_module, "grpo_loss", nan_loss)
     _, _, stats, changed, _ = one_step(config(tiny_model_dir, "trainer.beta=0"))
     assert stats.skipped_steps == 1 and changed == 0 and not math.isfinite(stats.grad_norm)
+
+
+def test_resume_restores_the_guard_state_exactly(tmp_path, tiny_model_dir):
+    # Every step after the first triggers (max_kl 1e-9) and doubles beta; a run stopped after 3
+    # steps and resumed to 6 must log exactly what an unbroken 6-step run logs.
+    def guarded(output_dir, steps, *extra):
+        return config(tiny_model_dir, f"trainer.steps={steps}", "trainer.checkpoint_every=1",
+                      "trainer.guard.enabled=true", "trainer.guard.max_kl=1e-9",
+                      "trainer.guard.max_rollbacks=10", "data.eval_size=0",
+                      f"trainer.output_dir={output_dir}", *extra)
+
+    run(guarded(tmp_path / "unbroken", 6))
+    run(guarded(tmp_path / "resumed", 3))
+    run(guarded(tmp_path / "resumed", 6, "trainer.resume=true"))
+
+    def comparable(folder):
+        measured = ("time/", "tokens_per_second", "memory/")
+        return [{k: v for k, v in row.items() if not k.startswith(measured)} for row in read_metrics(folder)]
+
+    resumed, unbroken = comparable(tmp_path / "resumed"), comparable(tmp_path / "unbroken")
+    assert [row["guard/rollbacks"] for row in unbroken] == [0, 1, 2, 3, 4, 5]
+    assert resumed == unbroken
