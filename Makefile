@@ -1,6 +1,6 @@
 # grpo-cli: two commands do all set-up on a fresh machine.
 #   make demo   - create .venv, install, run `grpo-train` (the embedded tiny default, CPU)
-#   make test   - same set-up if needed, then every test (slow learning runs included)
+#   make test   - same set-up if needed, then every test (slow runs included)
 
 PYTHON ?= python3
 VENV := .venv

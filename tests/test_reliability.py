@@ -141,6 +141,7 @@ KILLER = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow  # seven child processes: in `make test`, not in the quick loop
 @pytest.mark.parametrize("point,nth", KILL_POINTS, ids=[f"{point}-{nth}" for point, nth in KILL_POINTS])
 def test_kill_9_at_any_point_of_a_save_leaves_a_loadable_checkpoint(tmp_path, tiny_model_dir, point, nth):
     from transformers import AutoModelForCausalLM
@@ -178,6 +179,7 @@ def start(run_dir: Path, steps: int, *overrides: str) -> subprocess.Popen:
                             stderr=subprocess.PIPE, text=True, env={**os.environ, "HF_HUB_OFFLINE": "1"})
 
 
+@pytest.mark.slow  # three real runs per signal
 @pytest.mark.parametrize("stop_signal", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
 def test_a_stop_signal_checkpoints_the_step_and_resume_matches_an_unbroken_run(tmp_path, tiny_model_dir, stop_signal):
     steps = 12
@@ -205,6 +207,7 @@ def test_a_stop_signal_checkpoints_the_step_and_resume_matches_an_unbroken_run(t
     assert comparable(read_metrics(run_dir)) == comparable(read_metrics(unbroken))
 
 
+@pytest.mark.slow
 def test_a_second_sigint_stops_at_once(tmp_path, tiny_model_dir):
     # Long steps (256 completions of up to 64 tokens), so both signals land in the same step;
     # the pause lets the first one be handled before the second (pending signals merge).
