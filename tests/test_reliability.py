@@ -215,6 +215,7 @@ def test_a_second_sigint_stops_at_once(tmp_path, tiny_model_dir):
     process = start(run_dir, 100, "data.prompts_per_step=32", "sampler.group_size=8",
                     "sampler.max_new_tokens=64", "sampler.min_new_tokens=64")
     wait_for_rows(run_dir, 1, process)
+    time.sleep(0.5)  # into step 2 (seconds long): a signal right at the end of step 1 would stop there
     process.send_signal(signal.SIGINT)
     time.sleep(0.3)
     process.send_signal(signal.SIGINT)

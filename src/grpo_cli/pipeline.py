@@ -159,11 +159,10 @@ def run(cfg: Any) -> RunResult:
                               f"(first: {why}); those scored None")
                 log.log_step(step, metrics)
 
-                if final or (trainer.checkpoint_every and step % trainer.checkpoint_every == 0):
+                scheduled = trainer.checkpoint_every and step % trainer.checkpoint_every == 0
+                if final or scheduled or stop.requested:  # SIGINT / SIGTERM: keep the finished step
                     last_checkpoint = checkpoint(step, metrics, beta)
-                if stop.requested:  # SIGINT / SIGTERM: the step is done; keep it, then stop
-                    if last_checkpoint is None or last_checkpoint.name != f"step-{step:06d}":
-                        last_checkpoint = checkpoint(step, metrics, beta)
+                if stop.requested:
                     log.print(f"Stopped by {stop.requested} after step {step}; checkpoint {last_checkpoint}. "
                               f"Continue with the same command plus trainer.resume=true hydra.run.dir={output_dir}")
                     break
