@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from grpo_cli.config import ConfigError, DataConfig
-from grpo_cli.prompts import PromptSource, data_problems, load_eval_rows, read_rows
+from grpo_cli.prompts import PromptSource, data_problems, read_rows, train_and_eval_rows
 from grpo_cli.tasks import addition_rows
 
 ROWS = [
@@ -403,36 +403,52 @@ def test_prompt_source_on_the_synthetic_task(tokenizer):
     assert batch.columns["answer"] == ["0", "1", "2", "3"]
 
 
-# ---------------------------------------------------------------- load_eval_rows
+# ---------------------------------------------------------------- train_and_eval_rows
 
 
-def test_load_eval_rows_synthetic_size_and_determinism():
+def test_eval_rows_synthetic_size_and_determinism():
     config = data_config("synthetic:addition", prompt_field="prompt", answer_field="answer", eval_size=7, seed=5)
-    rows = load_eval_rows(config)
+    rows = train_and_eval_rows(config)[1]
     assert len(rows) == 7
-    assert rows == load_eval_rows(config)
+    assert rows == train_and_eval_rows(config)[1]
     all_rows = addition_rows()
     for row in rows:
         assert row in all_rows
         # "Question: what is a + b? Answer:" -> a + b must be the answer
         a, b = row["prompt"].removeprefix("Question: what is ").removesuffix("? Answer:").split(" + ")
         assert row["answer"] == str(int(a) + int(b))
-    other = load_eval_rows(data_config("synthetic:addition", eval_size=7, seed=6))
+    other = train_and_eval_rows(data_config("synthetic:addition", eval_size=7, seed=6))[1]
     assert other != rows  # another seed, another draw (7 of 100 with repetition)
 
 
-def test_load_eval_rows_larger_than_the_task():
-    rows = load_eval_rows(data_config("synthetic:addition", eval_size=250, seed=0))
+def test_eval_rows_larger_than_the_task():
+    rows = train_and_eval_rows(data_config("synthetic:addition", eval_size=250, seed=0))[1]
     assert len(rows) == 250  # drawn with repetition from the 100 problems
 
 
-def test_load_eval_rows_from_an_eval_file_is_cut_to_eval_size(tmp_path):
+def test_eval_rows_from_an_eval_file_is_cut_to_eval_size(tmp_path):
     train = write_jsonl(tmp_path / "train.jsonl", ROWS)
     held_out = write_jsonl(tmp_path / "eval.jsonl", ROWS[::-1])
-    rows = load_eval_rows(data_config(str(train), eval_path=str(held_out), eval_size=2))
+    rows = train_and_eval_rows(data_config(str(train), eval_path=str(held_out), eval_size=2))[1]
     assert [row["id"] for row in rows] == [4, 3]
 
 
-def test_load_eval_rows_file_without_eval_path_is_empty(tmp_path):
+def test_eval_rows_file_without_eval_path_is_empty(tmp_path):
     train = write_jsonl(tmp_path / "train.jsonl", ROWS)
-    assert load_eval_rows(data_config(str(train))) == []
+    assert train_and_eval_rows(data_config(str(train)))[1] == []
+
+
+def test_eval_holdout_takes_rows_out_of_training(tmp_path):
+    train_file = write_jsonl(tmp_path / "train.jsonl", ROWS)
+    config = data_config(str(train_file), eval_holdout=2)
+    train, held = train_and_eval_rows(config)
+    assert len(train) == len(ROWS) - 2 and len(held) == 2
+    assert sorted(row["id"] for row in train + held) == sorted(row["id"] for row in ROWS)  # a split
+    assert (train, held) == train_and_eval_rows(config)  # a fixed draw
+    assert train_and_eval_rows(data_config(str(train_file), eval_holdout=2, eval_path=str(train_file)))[0] == ROWS
+
+
+def test_eval_holdout_of_every_row_is_refused(tmp_path):
+    train_file = write_jsonl(tmp_path / "train.jsonl", ROWS)
+    with pytest.raises(ConfigError, match="data.eval_holdout=5 leaves no training prompt"):
+        train_and_eval_rows(data_config(str(train_file), eval_holdout=len(ROWS)))

@@ -82,6 +82,27 @@ class DataConfig:
     """Held-out prompts for the greedy eval. Unset: the built-in task's eval draw, or no eval for files."""
     eval_size: int = 200
     """At most this many eval prompts are used."""
+    eval_holdout: int = 0
+    """With no eval_path: hold this many rows of data.path out of training (a fixed draw, by
+    `seed`) and evaluate on them. 0 = none (built-in tasks have their own eval draw)."""
+
+
+@dataclass
+class AdaptiveGroupConfig:
+    enabled: bool = False
+    """Raise the group size for a while when training stalls (more samples per prompt make a
+    group with differing rewards, and so a gradient, more likely)."""
+    patience: int = 20
+    """Stalled: reward/mean has not beaten its best by `min_improvement` for this many steps..."""
+    min_improvement: float = 0.01
+    """Reward units a step must beat the best mean reward by to count as an improvement."""
+    zero_std_fraction: float = 0.9
+    """... or the mean zero-std group fraction over the last `patience` steps is above this."""
+    factor: int = 2
+    """The raised group size is group_size x factor, capped at max_group_size."""
+    max_group_size: int = 16
+    duration: int = 10
+    """Steps at the raised group size before it returns to sampler.group_size."""
 
 
 @dataclass
@@ -94,6 +115,8 @@ class SamplerConfig:
     """0 disables top-k filtering."""
     max_new_tokens: int = 256
     min_new_tokens: int = 0
+    adaptive: AdaptiveGroupConfig = field(default_factory=AdaptiveGroupConfig)
+    """Adaptive group size for stalled training (off by default)."""
 
 
 @dataclass
@@ -200,11 +223,33 @@ class TrainerConfig:
     """Print a log line every N steps (metrics.jsonl gets every step)."""
     eval_every: int = 0
     """Run the greedy eval every N steps; 0 = only before the first and after the last step."""
+    eval_pass_at_k: bool = False
+    """Also sample group_size completions per eval prompt and log eval/pass_at_k: the fraction of
+    prompts where the best of them scores the first reward function's best (pass@G for 0/1 rewards)."""
+    sample_every: int = 50
+    """Every N steps, show a few prompts with their G completions, rewards and advantages and append
+    them to samples.jsonl (and TensorBoard); 0 = never."""
+    sample_prompts: int = 2
+    """Prompts shown (and saved) each time."""
     output_dir: Optional[str] = None
     """Where the run writes. Unset: Hydra's run directory (outputs/DATE/TIME, or the multirun job dir)."""
     guard: GuardConfig = field(default_factory=GuardConfig)
     """The collapse guard: NaN/inf loss or gradients, a reward drop, or KL above a bound roll the
     run back to the last good checkpoint with beta raised (docs/ALGORITHM.md, README)."""
+
+
+@dataclass
+class LoggerConfig:
+    tensorboard: bool = True
+    """Scalars and sample texts to OUTPUT_DIR/tensorboard (metrics.jsonl is always written)."""
+    wandb: bool = False
+    """Also log to Weights & Biases (needs `pip install wandb`; offline with WANDB_MODE=offline)."""
+    mlflow: bool = False
+    """Also log to MLflow (needs `pip install mlflow`; MLFLOW_TRACKING_URI says where)."""
+    project: str = "grpo-cli"
+    """The wandb project / MLflow experiment name."""
+    run_name: Optional[str] = None
+    """The wandb / MLflow run name; unset: the run folder's name."""
 
 
 @dataclass
@@ -215,6 +260,7 @@ class Config:
     reward: RewardConfig = field(default_factory=RewardConfig)
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    logger: LoggerConfig = field(default_factory=LoggerConfig)
 
 
 GROUP_SCHEMAS = {
@@ -224,6 +270,7 @@ GROUP_SCHEMAS = {
     "reward": RewardConfig,
     "optimizer": OptimizerConfig,
     "trainer": TrainerConfig,
+    "logger": LoggerConfig,
 }
 
 
@@ -285,8 +332,8 @@ def validate(cfg: Any, check_files: bool = True) -> None:
     """Reject configs that would fail later, before any model is loaded.
 
     Collects every problem and raises one ConfigError listing them all, each naming its key.
-    `check_files=False` skips the checks that read the disk (used when composing presets whose
-    data and models live on other machines).
+    `check_files=False` skips the checks that read the disk or the installed packages (used when
+    composing presets whose data, models and loggers live on other machines).
     """
     problems: list[str] = []
 
@@ -373,6 +420,9 @@ def validate(cfg: Any, check_files: bool = True) -> None:
     if not isinstance(resume, (bool, str)) or resume == "":
         problems.append(f"trainer.resume={resume!r} must be false, true or a checkpoint folder.")
     problems += _reward_problems(cfg.reward.functions)
+    problems += _adaptive_problems(sampler, data.prompts_per_step, trainer.micro_batch_size)
+    if trainer.sample_prompts < 0 or trainer.sample_every < 0 or data.eval_holdout < 0:
+        problems.append("trainer.sample_every, trainer.sample_prompts and data.eval_holdout must be >= 0.")
 
     if check_files:
         from grpo_cli.models import local_tokenizer_and_context
@@ -385,6 +435,7 @@ def validate(cfg: Any, check_files: bool = True) -> None:
             model = None
         problems += data_problems(data, model, sampler.max_new_tokens)
         problems += output_dir_problems(trainer.output_dir)
+        problems += _logger_problems(cfg.logger)  # installed packages: this machine, like the files
         if isinstance(resume, bool) or (isinstance(resume, str) and resume):
             problems += resume_problems(cfg)
 
@@ -482,6 +533,42 @@ def _same_model(old: Any, new: Any) -> bool:
         return True
     paths = [Path(str(v)).expanduser() for v in (old, new)]
     return all(p.is_dir() for p in paths) and paths[0].resolve() == paths[1].resolve()
+
+
+def boosted_group_size(sampler: Any) -> int:
+    """The group size adaptive sampling raises to: group_size x factor, capped."""
+    return min(sampler.group_size * sampler.adaptive.factor, sampler.adaptive.max_group_size)
+
+
+def _adaptive_problems(sampler: Any, prompts_per_step: int, micro_batch_size: int) -> list[str]:
+    adaptive = sampler.adaptive
+    if not adaptive.enabled:
+        return []
+    problems = [f"sampler.adaptive.{key}={getattr(adaptive, key)} must be at least {least}."
+                for key, least in (("patience", 1), ("duration", 1), ("factor", 2))
+                if getattr(adaptive, key) < least]
+    if adaptive.max_group_size <= sampler.group_size:
+        problems.append(f"sampler.adaptive.max_group_size={adaptive.max_group_size} must exceed "
+                        f"sampler.group_size={sampler.group_size}, or there is nothing to raise it to.")
+    if not 0 <= adaptive.zero_std_fraction <= 1:
+        problems.append(f"sampler.adaptive.zero_std_fraction={adaptive.zero_std_fraction} must be in [0, 1].")
+    boosted = prompts_per_step * boosted_group_size(sampler)
+    if not problems and micro_batch_size > 0 and boosted % micro_batch_size:
+        problems.append(f"trainer.micro_batch_size={micro_batch_size} must also divide the completions "
+                        f"of a raised step, data.prompts_per_step x {boosted_group_size(sampler)} = {boosted}.")
+    return problems
+
+
+OPTIONAL_LOGGERS = {"tensorboard": "tensorboard", "wandb": "wandb", "mlflow": "mlflow"}  # key -> package
+
+
+def _logger_problems(logger: Any) -> list[str]:
+    import importlib.util
+
+    return [f"logger.{key}=true, but the `{package}` package is not installed. Install it "
+            f"(pip install {package}) or choose another logger (logger=tensorboard or logger=jsonl)."
+            for key, package in OPTIONAL_LOGGERS.items()
+            if logger[key] and importlib.util.find_spec(package) is None]
 
 
 def _reward_problems(functions: Any) -> list[str]:

@@ -17,24 +17,25 @@ import numpy as np
 import torch
 from omegaconf import OmegaConf
 
+from grpo_cli.adaptive import AdaptiveGroupState, next_group_size
 from grpo_cli.advantages import group_advantages
 from grpo_cli.checkpoint import latest_checkpoint, load_trainer_state, save_checkpoint, set_rng_state
-from grpo_cli.config import ConfigError, beta_schedule, resume_mode, validate
+from grpo_cli.config import ConfigError, beta_schedule, boosted_group_size, resume_mode, validate
+from grpo_cli.console import sample_entries
 from grpo_cli.dynamic import fill_informative_groups
+from grpo_cli.evaluation import evaluate
 from grpo_cli.guard import GuardState, roll_back, trigger
 from grpo_cli.logs import RunLogger, resident_memory_gb, window_mean
-from grpo_cli.losses import beta_at
+from grpo_cli.losses import BetaSchedule, beta_at
 from grpo_cli.models import Models, load_models, resolve_device, trainable_parameters
 from grpo_cli.optim import make_optimizer, make_scheduler
-from grpo_cli.prompts import PromptSource, batches, load_eval_rows
+from grpo_cli.prompts import PromptSource, train_and_eval_rows
 from grpo_cli.records import Advantages, Rewards, Rollout, UpdateStats
 from grpo_cli.rewards.api import RewardScorer
+from grpo_cli.run_summary import summary_window
 from grpo_cli.sampling import make_sampler
 from grpo_cli.stopping import StopRequests
 from grpo_cli.update import update_policy
-
-EVAL_BATCH = 64  # eval prompts per greedy generate call
-
 
 @dataclass
 class RunResult:
@@ -43,6 +44,29 @@ class RunResult:
     eval_before: Optional[float]
     eval_after: Optional[float]
     last_checkpoint: Optional[Path]
+
+
+@dataclass
+class RunParts:
+    """What every step works with, loaded once by `run`."""
+
+    cfg: Any
+    models: Models
+    sampler: Any
+    scorer: RewardScorer
+    prompts: PromptSource
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LRScheduler
+    betas: BetaSchedule
+
+
+@dataclass
+class StepResult:
+    metrics: dict[str, Any]  # one metrics.jsonl row (without "step")
+    rollout: Rollout  # what was trained on: B x G completions
+    rewards: Rewards  # [B, G]
+    advantages: Advantages  # [B*G]
+    beta: float  # the KL coefficient in force
 
 
 def run(cfg: Any) -> RunResult:
@@ -58,30 +82,32 @@ def run(cfg: Any) -> RunResult:
     seed_everything(trainer.seed)
     device = resolve_device(trainer.device)
     betas = beta_schedule(trainer.beta)
+    train_rows, eval_rows = train_and_eval_rows(cfg.data)
     models = load_models(cfg.model, betas.peak, device, checkpoint=str(resume_from) if resume_from else None)
-    prompts = PromptSource(cfg.data, models.tokenizer)
-    eval_rows = load_eval_rows(cfg.data)
-    sampler = make_sampler(cfg.sampler, models.tokenizer)
+    prompts = PromptSource(cfg.data, models.tokenizer, train_rows)
     optimizer = make_optimizer(cfg.optimizer, trainable_parameters(models.policy))
-    scheduler = make_scheduler(cfg.optimizer, optimizer, trainer.steps * trainer.num_iterations)
-    start_step, guard_state = 0, GuardState()
+    parts = RunParts(cfg, models, make_sampler(cfg.sampler, models.tokenizer), scorer, prompts, optimizer,
+                     make_scheduler(cfg.optimizer, optimizer, trainer.steps * trainer.num_iterations), betas)
+    start_step, guard_state, state = 0, GuardState(), {}
     if resume_from is not None:
         state = load_trainer_state(resume_from)
         optimizer.load_state_dict(state["optimizer"])
-        scheduler.load_state_dict(state["scheduler"])
+        parts.scheduler.load_state_dict(state["scheduler"])
         prompts.load_state_dict(state["data"])
         set_rng_state(state["rng"])
         start_step = int(state["step"])
         guard_state = GuardState.from_state_dict(state.get("guard"))
+    adaptive = AdaptiveGroupState.from_state_dict(state.get("adaptive"), cfg.sampler.group_size)
     OmegaConf.save(cfg, output_dir / "config.yaml", resolve=True)
 
-    log = RunLogger(output_dir, trainer.steps, start_step, trainer.log_every)
+    log = RunLogger(output_dir, trainer.steps, start_step, trainer.log_every, cfg.logger,
+                    OmegaConf.to_container(cfg, resolve=True))
     if resume_from is not None:
         log.print(f"Resuming from {resume_from} (step {start_step}).")
     started = time.perf_counter()
     eval_before = None
     if eval_rows and start_step == 0:
-        before = evaluate(models, sampler, prompts, scorer, eval_rows)
+        before = evaluate(parts, eval_rows)
         eval_before = before["eval/accuracy"]
         log.print(f"Greedy eval before training: accuracy {eval_before:.3f} on {len(eval_rows)} prompts")
         log.log_step(0, before)  # row 0 of metrics.jsonl: the starting point of every curve
@@ -91,9 +117,10 @@ def run(cfg: Any) -> RunResult:
             output_dir, step, models.policy, models.tokenizer,
             trainer_state={
                 "optimizer": optimizer.state_dict(),
-                "scheduler": scheduler.state_dict(),
+                "scheduler": parts.scheduler.state_dict(),
                 "data": prompts.state_dict(),
                 "guard": guard_state.state_dict(),
+                "adaptive": adaptive.state_dict(),
             },
             meta={"reward_mean": metrics["reward/mean"], "kl": metrics["kl"], "beta": beta},
             keep_last=trainer.keep_last,
@@ -104,64 +131,37 @@ def run(cfg: Any) -> RunResult:
     with StopRequests() as stop:
         try:
             for step in range(start_step + 1, trainer.steps + 1):
-                # Sampling randomness is a function of (seed, step) alone, so a resumed run draws
-                # exactly what an unbroken one would have.
-                torch.manual_seed(trainer.seed * 1_000_003 + step)
-                step_started = time.perf_counter()
-                cost = {"sample_seconds": 0.0, "reward_seconds": 0.0, "tokens": 0}
-                rollout, rewards = sample_and_score(sampler, scorer, models, prompts, cost)
-                if trainer.filter_zero_std:  # DAPO dynamic sampling: only groups whose rewards differ
-                    filled = fill_informative_groups(
-                        rollout, rewards, lambda: sample_and_score(sampler, scorer, models, prompts, cost),
-                        target=cfg.data.prompts_per_step, max_rounds=trainer.max_resample_rounds,
-                        std_threshold=trainer.std_threshold,
-                    )
-                    rollout, rewards = filled.rollout, filled.rewards
-                scored = time.perf_counter()
-                advantages = group_advantages(rewards.for_advantages, trainer.std_eps, trainer.std_threshold,
-                                              trainer.advantage)
-                beta = beta_at(betas, step - 1) * guard_state.beta_scale  # the guard raises it after a rollback
-                stats = update_policy(
-                    models, rollout, advantages, optimizer, scheduler, trainer, cfg.optimizer.max_grad_norm, beta
-                )
-                updated = time.perf_counter()
-
-                metrics = step_metrics(rollout, rewards, advantages, stats, beta, scheduler.get_last_lr()[0])
-                if trainer.filter_zero_std:
-                    metrics.update({
-                        "sampling/extra_rounds": filled.extra_rounds,
-                        "sampling/informative_groups": filled.informative_groups,
-                        "sampling/sampled_groups": filled.sampled_groups,
-                    })
-                metrics.update({
-                    "time/sample": cost["sample_seconds"],
-                    "time/reward": cost["reward_seconds"],
-                    "time/update": updated - scored,
-                    "time/step": updated - step_started,
-                    "tokens_per_second": cost["tokens"] / max(cost["sample_seconds"], 1e-9),  # all rounds
-                    "memory/rss_gb": resident_memory_gb(),
-                })
+                result = train_step(parts, step, adaptive.group_size, guard_state.beta_scale)
+                metrics = result.metrics
+                if cfg.sampler.adaptive.enabled:  # sets the group size of the next step
+                    change = next_group_size(cfg.sampler.adaptive, adaptive, boosted_group_size(cfg.sampler), step,
+                                             metrics["reward/mean"], metrics["advantage/zero_std_fraction"])
+                    if change is not None:
+                        log.print(f"[cyan]step {step}: {change}")
                 final = step == trainer.steps
                 if eval_rows and (final or (trainer.eval_every and step % trainer.eval_every == 0)):
-                    metrics.update(evaluate(models, sampler, prompts, scorer, eval_rows))
+                    metrics.update(evaluate(parts, eval_rows))
                     eval_after = metrics["eval/accuracy"]
                 if trainer.guard.enabled:  # before the checkpoint: a bad step is never saved as good
                     reason = trigger(trainer.guard, guard_state, step, metrics)
                     if reason is not None:
                         target = roll_back(trainer.guard, guard_state, step, reason, output_dir,
-                                           models.policy, optimizer, scheduler)
+                                           models.policy, optimizer, parts.scheduler)
                         log.print(f"[yellow]guard: {reason}; rolled back to {target}, beta now "
                                   f"x{guard_state.beta_scale:g}, learning rate x{guard_state.lr_scale:g}")
                     metrics["guard/rollbacks"] = len(guard_state.rollbacks)
-                for name, why in rewards.errors.items():
-                    count = rewards.error_counts.get(name, 0)
+                for name, why in result.rewards.errors.items():
+                    count = result.rewards.error_counts.get(name, 0)
                     log.print(f"[yellow]step {step}: reward function {name} failed on {count} completions "
                               f"(first: {why}); those scored None")
                 log.log_step(step, metrics)
+                if trainer.sample_every and step % trainer.sample_every == 0:
+                    log.log_samples(sample_entries(step, result.rollout, result.rewards, result.advantages,
+                                                   trainer.sample_prompts))
 
                 scheduled = trainer.checkpoint_every and step % trainer.checkpoint_every == 0
                 if final or scheduled or stop.requested:  # SIGINT / SIGTERM: keep the finished step
-                    last_checkpoint = checkpoint(step, metrics, beta)
+                    last_checkpoint = checkpoint(step, metrics, result.beta)
                 if stop.requested:
                     log.print(f"Stopped by {stop.requested} after step {step}; checkpoint {last_checkpoint}. "
                               f"Continue with the same command plus trainer.resume=true hydra.run.dir={output_dir}")
@@ -178,14 +178,62 @@ def run(cfg: Any) -> RunResult:
     return RunResult(output_dir, step, eval_before, eval_after, last_checkpoint)
 
 
-def sample_and_score(sampler, scorer: RewardScorer, models: Models, prompts: PromptSource,
-                     cost: dict[str, float]) -> tuple[Rollout, Rewards]:
+def train_step(parts: RunParts, step: int, group_size: int, beta_scale: float) -> StepResult:
+    """One GRPO step: sample B x G completions, score them, normalize rewards within each group,
+    update the policy (PPO-clip + KL), and measure it all.
+
+    `group_size` is G for this step (adaptive group size may raise it); `beta_scale` multiplies
+    the scheduled beta (the guard raises it after a rollback).
+    """
+    cfg, trainer = parts.cfg, parts.cfg.trainer
+    # Sampling randomness is a function of (seed, step) alone, so a resumed run draws exactly
+    # what an unbroken one would have.
+    torch.manual_seed(trainer.seed * 1_000_003 + step)
+    step_started = time.perf_counter()
+    cost = {"sample_seconds": 0.0, "reward_seconds": 0.0, "tokens": 0}
+
+    def sample_round() -> tuple[Rollout, Rewards]:
+        return sample_and_score(parts, group_size, cost)
+
+    rollout, rewards = sample_round()
+    filled = None
+    if trainer.filter_zero_std:  # DAPO dynamic sampling: only groups whose rewards differ
+        filled = fill_informative_groups(rollout, rewards, sample_round, target=cfg.data.prompts_per_step,
+                                         max_rounds=trainer.max_resample_rounds, std_threshold=trainer.std_threshold)
+        rollout, rewards = filled.rollout, filled.rewards
+    scored = time.perf_counter()
+    advantages = group_advantages(rewards.for_advantages, trainer.std_eps, trainer.std_threshold, trainer.advantage)
+    beta = beta_at(parts.betas, step - 1) * beta_scale
+    stats = update_policy(parts.models, rollout, advantages, parts.optimizer, parts.scheduler, trainer,
+                          cfg.optimizer.max_grad_norm, beta)
+    updated = time.perf_counter()
+
+    metrics = step_metrics(rollout, rewards, advantages, stats, beta, parts.scheduler.get_last_lr()[0])
+    if filled is not None:
+        metrics.update({
+            "sampling/extra_rounds": filled.extra_rounds,
+            "sampling/informative_groups": filled.informative_groups,
+            "sampling/sampled_groups": filled.sampled_groups,
+        })
+    metrics.update({
+        "sampler/group_size": group_size,
+        "time/sample": cost["sample_seconds"],
+        "time/reward": cost["reward_seconds"],
+        "time/update": updated - scored,
+        "time/step": updated - step_started,
+        "tokens_per_second": cost["tokens"] / max(cost["sample_seconds"], 1e-9),  # all rounds
+        "memory/rss_gb": resident_memory_gb(),
+    })
+    return StepResult(metrics, rollout, rewards, advantages, beta)
+
+
+def sample_and_score(parts: RunParts, group_size: int, cost: dict[str, float]) -> tuple[Rollout, Rewards]:
     """The next batch of prompts -> its B x G completions and their rewards; adds the seconds
     spent and the tokens generated to `cost` (a step may sample several rounds)."""
     started = time.perf_counter()
-    rollout = sampler.sample(models.policy, prompts.next_batch())
+    rollout = parts.sampler.sample(parts.models.policy, parts.prompts.next_batch(), group_size)
     sampled = time.perf_counter()
-    rewards = scorer.score(rollout)
+    rewards = parts.scorer.score(rollout)
     cost["sample_seconds"] += sampled - started
     cost["reward_seconds"] += time.perf_counter() - sampled
     cost["tokens"] += int(rollout.completion_mask.sum())
@@ -250,31 +298,9 @@ def step_metrics(rollout: Rollout, rewards: Rewards, advantages: Advantages, sta
     return metrics
 
 
-def evaluate(models: Models, sampler, prompts: PromptSource, scorer: RewardScorer,
-             rows: list[dict[str, Any]]) -> dict[str, float]:
-    """Greedy completions for the eval prompts, scored by the configured rewards.
-
-    `eval/accuracy` is the mean score of the first reward function (by convention the task's
-    correctness reward); `eval/<name>` the mean of each, `eval/reward` of the weighted total.
-    """
-    per_function: dict[str, list[float]] = {name: [] for name in scorer.names}
-    totals: list[float] = []
-    for chunk in batches(rows, EVAL_BATCH):
-        batch = prompts.make_batch(chunk)
-        completions = sampler.greedy(models.policy, batch)
-        scored = scorer.score_texts(batch.texts, completions, batch.columns, (len(chunk),))
-        totals += scored.total.tolist()
-        for name, values in scored.per_function.items():
-            per_function[name] += torch.nan_to_num(values, nan=0.0).tolist()
-    metrics = {f"eval/{name}": sum(v) / len(v) for name, v in per_function.items()}
-    metrics["eval/reward"] = sum(totals) / len(totals)
-    metrics["eval/accuracy"] = metrics[f"eval/{scorer.names[0]}"]
-    return metrics
-
-
 def summarize(log: RunLogger, steps: int, seconds: float, eval_before: Optional[float],
               eval_after: Optional[float], last_checkpoint: Optional[Path], output_dir: Path) -> None:
-    window = max(1, min(50, len(log.history) // 10 or 1))
+    window = summary_window(sum("reward/mean" in row for row in log.history))  # the rule grpo-report uses
     first = window_mean(log.history, "reward/mean", first=True, size=window)
     last = window_mean(log.history, "reward/mean", first=False, size=window)
     rows = {

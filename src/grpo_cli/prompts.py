@@ -110,14 +110,34 @@ def load_rows(path: str) -> list[dict[str, Any]]:
     return read_rows(path)
 
 
-def load_eval_rows(data: DataConfig) -> list[dict[str, Any]]:
-    """The held-out prompts: data.eval_path, else the built-in task's eval draw, else none."""
+def train_and_eval_rows(data: DataConfig) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """The training rows and the held-out eval rows.
+
+    Eval rows come from data.eval_path; else, for a built-in task, from its own eval draw; else,
+    with data.eval_holdout = N, from N rows of data.path picked by a fixed draw (`data.seed`)
+    and removed from training; else there are none.
+    """
+    rows = load_rows(data.path)
     if data.eval_path:
-        return load_rows(data.eval_path)[: data.eval_size]
+        return rows, load_rows(data.eval_path)[: data.eval_size]
     task = synthetic_task_name(data.path)
     if task is not None:
-        return SYNTHETIC_TASKS[task][1](data.eval_size, data.seed)
-    return []
+        return rows, SYNTHETIC_TASKS[task][1](data.eval_size, data.seed)
+    if data.eval_holdout <= 0:
+        return rows, []
+    problem = _holdout_problem(data, rows)
+    if problem:
+        raise ConfigError(problem)
+    held = set(random.Random(f"holdout-{data.seed}").sample(range(len(rows)), data.eval_holdout))
+    train = [row for index, row in enumerate(rows) if index not in held]
+    return train, [rows[index] for index in sorted(held)][: data.eval_size]
+
+
+def _holdout_problem(data: DataConfig, rows: list[dict[str, Any]]) -> Optional[str]:
+    if data.eval_holdout < len(rows) or data.eval_path or synthetic_task_name(data.path) is not None:
+        return None
+    return (f"data.eval_holdout={data.eval_holdout} leaves no training prompt: {data.path} holds "
+            f"{len(rows)} rows. Hold out fewer, or give data.eval_path.")
 
 
 def _unknown_task(path: str) -> str:
@@ -144,6 +164,8 @@ def data_problems(data: DataConfig, model: Optional[tuple[Any, Optional[int]]] =
             continue
         field_problems = _field_problems(data, path, rows)
         problems += field_problems
+        if key == "data.path" and _holdout_problem(data, rows):
+            problems.append(_holdout_problem(data, rows))
         if model is not None and not field_problems:
             problems += _length_problems(data, key, path, rows, *model, max_new_tokens)
     return problems

@@ -1,6 +1,7 @@
 """Stage 2, group sampling: G completions per prompt from the current policy.
 
-`make_sampler(cfg.sampler, tokenizer)` returns an object with `sample(policy, batch) -> Rollout`
+`make_sampler(cfg.sampler, tokenizer)` returns an object with
+`sample(policy, batch, group_size=None) -> Rollout`
 and `greedy(policy, batch) -> list[str]`. Today that is `HFSampler` (transformers' `generate`);
 a faster KV-cache sampler can slot in behind the same two methods.
 """

@@ -39,8 +39,9 @@ class HFSampler:
             completions = torch.nn.functional.pad(completions, (0, missing), value=self.tokenizer.eos_token_id)
         return completions
 
-    def sample(self, policy, batch: PromptBatch) -> Rollout:
-        group = self.cfg.group_size
+    def sample(self, policy, batch: PromptBatch, group_size: int | None = None) -> Rollout:
+        """G completions per prompt; G = sampler.group_size unless given (adaptive group size)."""
+        group = group_size or self.cfg.group_size
         prompt_ids = batch.input_ids.repeat_interleave(group, dim=0)  # [B*G, P]
         prompt_mask = batch.attention_mask.repeat_interleave(group, dim=0)
         completion_ids = self._generate(
