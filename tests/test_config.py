@@ -15,7 +15,7 @@ from grpo_cli.config import ConfigError, beta_schedule, validate
 from grpo_cli.losses import BetaSchedule
 
 CONF = Path(config_dir())
-GROUPS = ["model", "data", "sampler", "reward", "optimizer", "trainer", "algorithm"]
+GROUPS = ["model", "data", "sampler", "reward", "optimizer", "trainer", "algorithm", "logger"]
 
 
 def make(overrides: list[str] = ()):

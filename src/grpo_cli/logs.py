@@ -1,9 +1,11 @@
-"""What the run shows and keeps: rich console, `metrics.jsonl`, TensorBoard scalars.
+"""What the run shows and keeps: the console, `metrics.jsonl`, `samples.jsonl`, and the logger
+backends of the `logger` group (TensorBoard; Weights & Biases and MLflow when selected).
 
-Every step appends one JSON object to `OUTPUT_DIR/metrics.jsonl` and writes the same scalars to
-TensorBoard (`OUTPUT_DIR/tensorboard`). The console gets a progress bar with ETA and the last
-step's key numbers when it is a terminal, a plain line every `log_every` steps always, and a
-summary table at the end.
+Every step appends one JSON object to `OUTPUT_DIR/metrics.jsonl` and hands the same scalars to
+each backend. On a terminal the console shows a live panel (console.py): progress with ETA, the
+last step's numbers and the warnings of health.py; otherwise a plain line every `log_every`
+steps. Warnings are printed once, when they appear. Every `trainer.sample_every` steps a few
+groups of completions go to `samples.jsonl`, the console and TensorBoard.
 """
 
 from __future__ import annotations
@@ -12,27 +14,21 @@ import json
 import math
 import os
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, Optional
 
 from rich.console import Console
+from rich.live import Live
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from rich.table import Table
 
+from grpo_cli.console import plain_line, samples_table, samples_text, status_panel
+from grpo_cli.health import health_warnings
+
+if TYPE_CHECKING:  # read_metrics is used by grpo-report, which should not wait for torch to import
+    from grpo_cli.config import LoggerConfig
+
 METRICS_FILE = "metrics.jsonl"
-# The numbers shown on the progress bar and in each log line, with their short labels.
-KEY_NUMBERS = {
-    "reward/mean": "reward",
-    "kl": "kl",
-    "advantage/zero_std_fraction": "zero-std",
-    "completion/length_mean": "len",
-    "time/step": "s/step",
-}
-
-
-def _format(value: Any) -> str:
-    if isinstance(value, float):
-        return f"{value:.4g}" if abs(value) >= 1e-3 or value == 0 else f"{value:.2e}"
-    return str(value)
+SAMPLES_FILE = "samples.jsonl"
 
 
 def resident_memory_gb() -> float:
@@ -46,41 +42,48 @@ def resident_memory_gb() -> float:
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6  # KiB on Linux
 
 
-def read_metrics(output_dir: Path) -> list[dict[str, Any]]:
-    path = Path(output_dir) / METRICS_FILE
+def read_metrics(output_dir: Path, name: str = METRICS_FILE) -> list[dict[str, Any]]:
+    """The rows of a run's metrics.jsonl (or samples.jsonl), oldest first; [] if there is none."""
+    path = Path(output_dir) / name
     if not path.is_file():
         return []
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
+def _truncate_to_step(output_dir: Path, name: str, last_step: int) -> list[dict[str, Any]]:
+    """On resume, drop rows the stopped run wrote after its last checkpoint: they are redone."""
+    kept = [row for row in read_metrics(output_dir, name) if row.get("step", 0) <= last_step]
+    (output_dir / name).write_text("".join(json.dumps(row) + "\n" for row in kept))
+    return kept
+
+
 class RunLogger:
     def __init__(self, output_dir: Path, total_steps: int, start_step: int, log_every: int,
+                 backends: LoggerConfig | None = None, config: Optional[dict[str, Any]] = None,
                  console: Console | None = None):
         self.output_dir = output_dir
         self.console = console or Console()
         self.log_every = log_every
-        metrics_path = output_dir / METRICS_FILE
-        # On resume, drop rows the stopped run wrote after its last checkpoint: they are redone.
-        kept = [row for row in read_metrics(output_dir) if row.get("step", 0) <= start_step]
-        metrics_path.write_text("".join(json.dumps(row) + "\n" for row in kept))
-        self.history: list[dict[str, Any]] = kept
-        self.metrics_file = metrics_path.open("a", encoding="utf-8")
-        self.tensorboard = self._open_tensorboard(output_dir / "tensorboard")
+        self.history = _truncate_to_step(output_dir, METRICS_FILE, start_step)
+        _truncate_to_step(output_dir, SAMPLES_FILE, start_step)
+        self.metrics_file = (output_dir / METRICS_FILE).open("a", encoding="utf-8")
+        self.samples_file = (output_dir / SAMPLES_FILE).open("a", encoding="utf-8")
+        from grpo_cli.config import LoggerConfig
+        from grpo_cli.log_backends import open_backends
+
+        self.backends = open_backends(backends or LoggerConfig(), output_dir, start_step, config or {})
+        self.warnings: dict[str, str] = {}  # kind -> message, the patterns present at the last step
+        self.last_eval: Optional[dict[str, Any]] = next((r for r in reversed(self.history) if "eval/accuracy" in r), None)
         self.progress = Progress(
             TextColumn("[bold]GRPO"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-            TextColumn("eta"), TimeRemainingColumn(), TextColumn("{task.fields[numbers]}"),
-            console=self.console, transient=False, disable=not self.console.is_terminal,
+            TextColumn("eta"), TimeRemainingColumn(), console=self.console,
         )
-        self.task = self.progress.add_task("train", total=total_steps, completed=start_step, numbers="")
-        self.progress.start()
-
-    @staticmethod
-    def _open_tensorboard(folder: Path):
-        try:
-            from torch.utils.tensorboard import SummaryWriter
-        except ImportError:  # tensorboard is a dependency, but a broken install must not stop training
-            return None
-        return SummaryWriter(log_dir=str(folder))
+        self.task = self.progress.add_task("train", total=total_steps, completed=start_step)
+        self.live: Optional[Live] = None
+        if self.console.is_terminal:
+            self.live = Live(status_panel(self.progress, None, None, []), console=self.console,
+                             refresh_per_second=4, transient=False)
+            self.live.start()
 
     def print(self, message: str) -> None:
         self.console.print(message)
@@ -90,21 +93,45 @@ class RunLogger:
         self.history.append(row)
         self.metrics_file.write(json.dumps(row) + "\n")
         self.metrics_file.flush()
-        if self.tensorboard is not None:
-            for key, value in metrics.items():
-                if isinstance(value, (int, float)) and math.isfinite(value):
-                    self.tensorboard.add_scalar(key, value, step)
-        numbers = "  ".join(f"{label} {_format(row[key])}" for key, label in KEY_NUMBERS.items() if key in row)
-        self.progress.update(self.task, completed=step, numbers=numbers)
+        scalars = {k: v for k, v in metrics.items()
+                   if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)}
+        for backend in self.backends:
+            backend.log_scalars(scalars, step)
+        if "eval/accuracy" in row:
+            self.last_eval = row
+        warnings = dict(health_warnings(self.history))
+        for kind, message in warnings.items():
+            if kind not in self.warnings:  # printed when it appears, not every step it lasts
+                self.console.print(f"[bold yellow]step {step} warning:[/] {message}", highlight=False)
+        self.warnings = warnings
+        self.progress.update(self.task, completed=step)
+        if self.live is not None:
+            self.live.update(status_panel(self.progress, row, self.last_eval, list(self.warnings.values())))
         if step % self.log_every == 0 or "eval/accuracy" in row:
-            extra = f"  eval {row['eval/accuracy']:.3f}" if "eval/accuracy" in row else ""
-            self.console.print(f"step {step}  {numbers}{extra}", highlight=False)
+            self.console.print(plain_line(row), highlight=False, soft_wrap=True)
+
+    def log_samples(self, entries: list[dict[str, Any]]) -> None:
+        """Groups of one step (console.sample_entries): samples.jsonl, the console, the backends."""
+        for entry in entries:
+            self.samples_file.write(json.dumps(entry) + "\n")
+            if self.console.is_terminal:
+                self.console.print(samples_table(entry))
+            else:
+                self.console.print(samples_text(entry), highlight=False, markup=False)
+        self.samples_file.flush()
+        if entries:
+            for backend in self.backends:
+                backend.log_samples(entries, entries[0]["step"])
 
     def close(self) -> None:
-        self.progress.stop()
+        if self.live is not None:
+            self.live.stop()
+            self.live = None
         self.metrics_file.close()
-        if self.tensorboard is not None:
-            self.tensorboard.close()
+        self.samples_file.close()
+        for backend in self.backends:
+            backend.close()
+        self.backends = []
 
     def summary(self, rows: dict[str, str]) -> None:
         if not self.console.is_terminal:  # logs and CI: plain lines that never wrap or truncate
