@@ -3,7 +3,12 @@ sweeps, LoRA, and clear errors for bad input."""
 
 from __future__ import annotations
 
+import csv
 import json
+import re
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -15,6 +20,7 @@ from helpers import TESTS_DIR, grpo_train
 # Small and quick: 4 prompts x G=4, 6 eval prompts.
 QUICK = ["data.prompts_per_step=4", "sampler.group_size=4", "data.eval_size=6", "trainer.log_every=1"]
 TIMING_KEYS = ("time/", "tokens_per_second", "memory/")  # measured, not computed
+GRPO_REPORT = str(Path(sys.executable).parent / "grpo-report")
 
 
 def comparable(row: dict) -> dict:
@@ -106,6 +112,21 @@ def test_multirun_sweep_writes_one_run_dir_per_job(tmp_path, tiny_model_dir):
         assert rows[1]["beta"] == config.trainer.beta
         seen.add((config.trainer.beta, config.sampler.group_size))
     assert seen == {(0.01, 2), (0.01, 4), (0.04, 2), (0.04, 4)}
+
+    # grpo-report on this sweep and on one of its jobs (here, not on a second sweep: CI time).
+    for folder in (sweep, jobs[0]):
+        result = subprocess.run([GRPO_REPORT, str(folder)], capture_output=True, text=True, timeout=300)
+        assert result.returncode == 0, result.stderr
+    assert (sweep / "report.md").is_file() and (sweep / "plots" / "heatmap.png").is_file()
+    with open(sweep / "sweep.csv") as handle:
+        table = list(csv.DictReader(handle))
+    assert len(table) == 4 and {row["status"] for row in table} == {"ok"}
+    assert {(row["trainer.beta"], row["sampler.group_size"]) for row in table} == {
+        ("0.01", "2"), ("0.01", "4"), ("0.04", "2"), ("0.04", "4")}
+    accuracies = [float(row["final eval accuracy"]) for row in table]
+    assert accuracies == sorted(accuracies, reverse=True)
+    images = re.findall(r"\]\((plots/\w+\.png)\)", (jobs[0] / "report.md").read_text())
+    assert "plots/kl_beta.png" in images and all((jobs[0] / image).is_file() for image in images)
 
 
 def test_lora_run_saves_a_peft_adapter_that_loads(tmp_path, tiny_model_dir):
