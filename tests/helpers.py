@@ -1,4 +1,4 @@
-"""Running the real `grpo-train` entry point from tests."""
+"""Running the real console scripts (`grpo-train`, `grpo-filter`) from tests."""
 
 from __future__ import annotations
 
@@ -7,20 +7,39 @@ import subprocess
 import sys
 from pathlib import Path
 
-GRPO_TRAIN = str(Path(sys.executable).parent / "grpo-train")
+SCRIPTS_DIR = Path(sys.executable).parent
+GRPO_TRAIN = str(SCRIPTS_DIR / "grpo-train")
 TESTS_DIR = str(Path(__file__).resolve().parent)  # on PYTHONPATH: `_target_: test_module.function`
+
+
+def run_script(program: str, *overrides: str, cwd: Path | None = None, check: bool = True,
+               env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    """`PROGRAM OVERRIDES...` (a console script of this venv) in a child process; raises with
+    its output if it fails and `check`."""
+    result = subprocess.run(
+        [str(SCRIPTS_DIR / program), *overrides], capture_output=True, text=True, cwd=cwd,
+        env={**os.environ, "HF_HUB_OFFLINE": "1", **(env or {})}, timeout=900,
+    )
+    if check and result.returncode != 0:
+        raise AssertionError(f"{program} failed ({result.returncode}):\n{result.stdout}\n{result.stderr}")
+    return result
+
+
+def input_error(program: str, *overrides: str, cwd: Path, env: dict[str, str] | None = None) -> str:
+    """Run PROGRAM on bad input: expect exit code 2, one `PROGRAM: error` message on stderr and no
+    traceback. Returns the message, whitespace joined (the console wraps long lines)."""
+    result = run_script(program, *overrides, cwd=cwd, check=False, env=env)
+    output = result.stdout + result.stderr
+    assert result.returncode == 2, output[-3000:]
+    assert "Traceback" not in output
+    assert f"{program}: error" in result.stderr
+    return " ".join(result.stderr.split())
 
 
 def grpo_train(*overrides: str, cwd: Path | None = None, check: bool = True,
                env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     """`grpo-train OVERRIDES...` in a child process; raises with its output if it fails."""
-    result = subprocess.run(
-        [GRPO_TRAIN, *overrides], capture_output=True, text=True, cwd=cwd,
-        env={**os.environ, "HF_HUB_OFFLINE": "1", **(env or {})}, timeout=900,
-    )
-    if check and result.returncode != 0:
-        raise AssertionError(f"grpo-train failed ({result.returncode}):\n{result.stdout}\n{result.stderr}")
-    return result
+    return run_script("grpo-train", *overrides, cwd=cwd, check=check, env=env)
 
 
 def config(tiny_model_dir, *overrides: str):

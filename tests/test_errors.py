@@ -19,19 +19,14 @@ from omegaconf import OmegaConf
 
 from grpo_cli.cli import config_dir
 from grpo_cli.config import ConfigError, validate
-from helpers import TESTS_DIR, grpo_train
+from helpers import TESTS_DIR, grpo_train, input_error
 
 SMALL = ["data.prompts_per_step=2", "sampler.group_size=2", "data.eval_size=0", "trainer.steps=1"]
 
 
 def cli_error(*overrides: str, tmp_path: Path, env: dict[str, str] | None = None) -> str:
     """Run grpo-train, expect exit code 2 and no traceback; the message, whitespace joined."""
-    result = grpo_train(*overrides, f"hydra.run.dir={tmp_path / 'run'}", check=False, cwd=tmp_path, env=env)
-    output = result.stdout + result.stderr
-    assert result.returncode == 2, output[-3000:]
-    assert "Traceback" not in output
-    assert "grpo-train: error" in result.stderr
-    return " ".join(result.stderr.split())  # the console wraps long lines
+    return input_error("grpo-train", *overrides, f"hydra.run.dir={tmp_path / 'run'}", cwd=tmp_path, env=env)
 
 
 def make(*overrides: str):
@@ -362,3 +357,14 @@ def test_a_tokenizer_without_eos_token(tiny_model_dir):
     tokenizer.eos_token = None
     with pytest.raises(ConfigError, match="model.name_or_path=x: the tokenizer has no EOS token"):
         fix_special_tokens(tokenizer, "x")
+
+
+def test_a_logger_whose_package_is_missing_exits_2_naming_it(tmp_path):
+    message = cli_error("logger=wandb", tmp_path=tmp_path)
+    assert "logger.wandb=true, but the `wandb` package is not installed" in message
+
+
+def test_an_eval_holdout_of_every_row(tmp_path):
+    data = write(tmp_path / "five.jsonl", GOOD_ROW * 5)
+    message = validate_error(f"data.path={data}", "data.eval_holdout=5")
+    assert f"data.eval_holdout=5 leaves no training prompt: {data} holds 5 rows" in message

@@ -1,4 +1,5 @@
-"""`grpo-train`: the Hydra entry point. Composes the config, then hands it to pipeline.run.
+"""The Hydra entry points: `grpo-train` (pipeline.run) and `grpo-filter` (prompt_filter), both
+composing the same config tree (conf/config.yaml: presets, groups, overrides).
 
 Bad input ends the same way whoever finds it: one message naming the key or file and what to
 do, exit code 2, no traceback. The finders are Hydra while composing (unknown key, wrong type,
@@ -10,12 +11,13 @@ The whole catalogue, with each message: docs/ERRORS.md.
 
 from __future__ import annotations
 
+import contextlib
 import difflib
 import os
 import re
 import sys
 from pathlib import Path
-from typing import Any, Callable, NoReturn
+from typing import Any, Callable, Iterator, NoReturn
 
 import hydra
 import hydra._internal.utils as hydra_internal
@@ -37,39 +39,66 @@ def config_dir() -> str:
 
 register_configs()
 _task_started = False  # set once Hydra hands over a composed config; OSErrors before are Hydra's set-up
+_program = "grpo-train"  # the console script being run: the prefix of its error messages
 
 
 @hydra.main(version_base="1.3", config_path=config_dir(), config_name="config")
 def train(cfg: DictConfig) -> None:
+    with _command(cfg):
+        from grpo_cli.pipeline import run  # torch and transformers load only once a command starts
+
+        run(cfg)
+
+
+@hydra.main(version_base="1.3", config_path=config_dir(), config_name="config")
+def filter_prompts(cfg: DictConfig) -> None:
+    with _command(cfg):
+        from grpo_cli.prompt_filter import filter_file
+
+        filter_file(cfg)
+
+
+@contextlib.contextmanager
+def _command(cfg: DictConfig) -> Iterator[None]:
+    """What every command does with its composed config first; our input errors end in `fail`."""
     global _task_started
     _task_started = True
     from transformers.utils import logging as transformers_logging
 
-    from grpo_cli.pipeline import run  # torch and transformers load only once a run starts
-
-    transformers_logging.disable_progress_bar()  # per-shard bars would drown the run's own output
-
+    transformers_logging.disable_progress_bar()  # per-shard bars would drown the command's own output
     try:
-        with open_dict(cfg):
+        with open_dict(cfg):  # before resolving: `${trainer.output_dir}` elsewhere means the run folder
             if not cfg.trainer.output_dir:
                 cfg.trainer.output_dir = HydraConfig.get().runtime.output_dir
         resolve_interpolations(cfg)
-        run(cfg)
+        yield
     except ConfigError as error:
         fail(str(error), error)
 
 
 def main() -> None:
-    """The console script: Hydra's main, with Hydra's own input errors reported like ours.
+    """`grpo-train`: fine-tune with GRPO."""
+    _serve("grpo-train", train)
+
+
+def filter_main() -> None:
+    """`grpo-filter`: keep the prompts whose sampled rewards differ (prompt_filter)."""
+    _serve("grpo-filter", filter_prompts)
+
+
+def _serve(program: str, hydra_main: Callable[[], None]) -> None:
+    """Run a `@hydra.main` function with Hydra's own input errors reported like ours.
 
     Hydra prints its composition errors itself and exits 1, inside `run_and_report`, the one
     function every Hydra command (run, multirun, --cfg, shell completion) goes through; wrapping
     it is the only place that sees them. Should a Hydra release move it, those errors fall back
     to Hydra's wording and exit code 1, and tests/test_errors.py fails.
     """
+    global _program
+    _program = program
     original = getattr(hydra_internal, "run_and_report", None)
     if original is None:
-        train()
+        hydra_main()
         return
 
     def run_and_report(func: Callable[[], Any]) -> Any:
@@ -77,7 +106,7 @@ def main() -> None:
 
     hydra_internal.run_and_report = run_and_report
     try:
-        train()
+        hydra_main()
     finally:
         hydra_internal.run_and_report = original
 
@@ -101,7 +130,7 @@ def fail(message: str, error: BaseException) -> NoReturn:
     if os.environ.get("HYDRA_FULL_ERROR") == "1":
         raise error
     console = Console(stderr=True, highlight=False, soft_wrap=True)  # paths stay whole when copied
-    console.print("[bold red]grpo-train: error[/]", end=" ")
+    console.print(f"[bold red]{_program}: error[/]", end=" ")
     console.print(message, markup=False)  # messages quote values such as [q_proj, v_proj]
     sys.exit(CONFIG_ERROR_EXIT_CODE)
 
@@ -146,7 +175,7 @@ def hydra_error_message(error: CompactHydraException) -> str:
                 f"{group}={name}: there is no preset '{name}' in group '{group}' (no "
                 f"conf/{group}/{name}.yaml). The {group} presets are: {', '.join(options)}."
             )
-        return f"{_first_line(error)}. `grpo-train --help` lists the groups and their presets."
+        return f"{_first_line(error)}. `{_program} --help` lists the groups and their presets."
     if isinstance(cause, ConfigKeyError) or (isinstance(cause, AttributeError) and key):
         # OmegaConf names the first unknown part (`trainers`); Hydra's message the whole key.
         overridden = re.search(r"Could not override '([^']+)'", str(error))
@@ -155,7 +184,7 @@ def hydra_error_message(error: CompactHydraException) -> str:
         hint = f" Did you mean {close[0]}?" if close else ""
         where = "--hydra-help" if str(key).startswith("hydra.") else "--help"
         return (
-            f"{key} is not a config key.{hint} `grpo-train {where}` lists every key; "
+            f"{key} is not a config key.{hint} `{_program} {where}` lists every key; "
             "check the spelling and the group (e.g. trainer.beta, sampler.group_size)."
         )
     if isinstance(cause, ValidationError) and key:
