@@ -102,7 +102,7 @@ class RunLogger:
         warnings = dict(health_warnings(self.history))
         for kind, message in warnings.items():
             if kind not in self.warnings:  # printed when it appears, not every step it lasts
-                self.console.print(f"[bold yellow]step {step} warning:[/] {message}", highlight=False)
+                self.console.print(f"[bold yellow]step {step} warning:[/] {message}", highlight=False, soft_wrap=True)
         self.warnings = warnings
         self.progress.update(self.task, completed=step)
         if self.live is not None:
@@ -117,7 +117,7 @@ class RunLogger:
             if self.console.is_terminal:
                 self.console.print(samples_table(entry))
             else:
-                self.console.print(samples_text(entry), highlight=False, markup=False)
+                self.console.print(samples_text(entry), highlight=False, markup=False, soft_wrap=True)
         self.samples_file.flush()
         if entries:
             for backend in self.backends:
