@@ -107,6 +107,11 @@ def _serve(program: str, hydra_main: Callable[[], None]) -> None:
     hydra_internal.run_and_report = run_and_report
     try:
         hydra_main()
+    except ValueError as error:  # Hydra checks its own flags before run_and_report
+        if not str(error).startswith("Only one of"):
+            raise
+        fail(f"{error}: e.g. `{program} --cfg hydra hydra/launcher=slurm_gpu` prints the composed "
+             "config, `-m` alone runs the sweep.", error)
     finally:
         hydra_internal.run_and_report = original
 

@@ -20,6 +20,7 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, OmegaConf
 
 from grpo_cli.advantages import ADVANTAGE_MODES
+from grpo_cli.distributed import DISTRIBUTED_MODES, launched_world_size
 from grpo_cli.losses import AGGREGATIONS, BETA_SHAPES, KL_ESTIMATORS, BetaSchedule
 
 
@@ -218,7 +219,10 @@ class TrainerConfig:
     seed: int = 0
     """Seeds model init of tiny models, sampling and everything else random."""
     device: str = "auto"
-    """auto | cpu | cuda | cuda:N."""
+    """auto | cpu | cuda | cuda:N. Under torchrun, auto and cuda mean each rank's own GPU."""
+    distributed: str = "ddp"
+    """Under torchrun: ddp (DistributedDataParallel: every rank holds the model, gradients are
+    averaged) | fsdp (FSDP2 fully_shard: weights, gradients and optimizer state sharded)."""
     log_every: int = 10
     """Print a log line every N steps (metrics.jsonl gets every step)."""
     eval_every: int = 0
@@ -322,6 +326,7 @@ CHOICES = {
     "optimizer.scheduler": ("constant", "linear", "cosine"),
 }
 EXACT_CHOICES = {  # read as written by the loss code, so compared case-sensitively
+    "trainer.distributed": DISTRIBUTED_MODES,
     "trainer.advantage": ADVANTAGE_MODES,
     "trainer.loss_aggregation": AGGREGATIONS,
     "trainer.kl_estimator": KL_ESTIMATORS,
@@ -354,13 +359,27 @@ def validate(cfg: Any, check_files: bool = True) -> None:
         )
     if data.prompts_per_step < 1:
         problems.append(f"data.prompts_per_step={data.prompts_per_step} must be at least 1.")
-    completions = data.prompts_per_step * sampler.group_size
+    ranks = launched_world_size()  # torchrun's WORLD_SIZE: each rank trains on its share of the step
+    if trainer.distributed == "fsdp":
+        problems.append(
+            "trainer.distributed=fsdp is not available yet (synced sampling and full-state checkpoints "
+            "of sharded weights are still to come; docs/DISTRIBUTED.md). Use trainer.distributed=ddp, "
+            "with LoRA or QLoRA (model.lora.enabled=true) where a full fine-tune does not fit one device."
+        )
+    if ranks > 1 and data.prompts_per_step % ranks:
+        problems.append(
+            f"data.prompts_per_step={data.prompts_per_step} must be a multiple of the {ranks} torchrun "
+            f"processes: it is the global batch, and each process takes an equal share of whole groups."
+        )
+    completions = data.prompts_per_step * sampler.group_size // ranks
+    per_rank = f" on each of the {ranks} processes" if ranks > 1 else ""
     if trainer.micro_batch_size < 0 or (
         trainer.micro_batch_size > 0 and completions % trainer.micro_batch_size != 0
     ):
         problems.append(
             f"trainer.micro_batch_size={trainer.micro_batch_size} must divide the completions per "
-            f"step, data.prompts_per_step x sampler.group_size = {completions} (or be 0 for all at once)."
+            f"step{per_rank}, data.prompts_per_step x sampler.group_size{' / processes' if ranks > 1 else ''} "
+            f"= {completions} (or be 0 for all at once)."
         )
     positive = {
         "trainer.steps": trainer.steps,
@@ -420,7 +439,7 @@ def validate(cfg: Any, check_files: bool = True) -> None:
     if not isinstance(resume, (bool, str)) or resume == "":
         problems.append(f"trainer.resume={resume!r} must be false, true or a checkpoint folder.")
     problems += _reward_problems(cfg.reward.functions)
-    problems += _adaptive_problems(sampler, data.prompts_per_step, trainer.micro_batch_size)
+    problems += _adaptive_problems(sampler, max(data.prompts_per_step // ranks, 1), trainer.micro_batch_size)
     if trainer.sample_prompts < 0 or trainer.sample_every < 0 or data.eval_holdout < 0:
         problems.append("trainer.sample_every, trainer.sample_prompts and data.eval_holdout must be >= 0.")
 

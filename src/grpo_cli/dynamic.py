@@ -82,7 +82,7 @@ def merge_groups(parts: list[tuple[Rollout, Rewards, list[int]]]) -> tuple[Rollo
     rollouts, rewards = [], []
     for rollout, reward, groups in parts:
         rows = [group * group_size + member for group in groups for member in range(group_size)]
-        rollouts.append(_select_rows(rollout, rows))
+        rollouts.append(select_rows(rollout, rows))
         rewards.append(_select_groups(reward, groups))
     prompt_length = max(r.prompt_ids.shape[1] for r in rollouts)
     completion_length = max(r.completion_ids.shape[1] for r in rollouts)
@@ -113,7 +113,8 @@ def merge_groups(parts: list[tuple[Rollout, Rewards, list[int]]]) -> tuple[Rollo
     return merged_rollout, merged_rewards
 
 
-def _select_rows(rollout: Rollout, rows: list[int]) -> Rollout:
+def select_rows(rollout: Rollout, rows: list[int]) -> Rollout:
+    """The completions at `rows` (row b * G + i is completion i of prompt b), as a Rollout."""
     index = torch.tensor(rows, dtype=torch.long)
     return Rollout(
         prompt_ids=rollout.prompt_ids[index],

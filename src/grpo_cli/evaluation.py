@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from grpo_cli.distributed import sum_over_ranks
 from grpo_cli.prompts import batches
 
 if TYPE_CHECKING:
@@ -26,25 +27,27 @@ def evaluate(parts: RunParts, rows: list[dict[str, Any]]) -> dict[str, float]:
     completions per prompt, the best first-function score among them, averaged over prompts
     (for a 0/1 correctness reward: the fraction of prompts solved at least once, pass@G).
     """
-    scorer, policy = parts.scorer, parts.models.policy
-    per_function: dict[str, list[float]] = {name: [] for name in scorer.names}
-    totals: list[float] = []
-    best_of_group: list[float] = []
-    torch.manual_seed(parts.cfg.trainer.seed)  # the same pass@k draw at every eval (and on resume)
-    for chunk in batches(rows, EVAL_BATCH):
+    scorer, policy, place = parts.scorer, parts.models.policy, parts.place
+    names = scorer.names
+    # Sums over this rank's prompts (every world_size-th one under torchrun), then over ranks.
+    sums = {f"eval/{name}": 0.0 for name in names} | {"eval/reward": 0.0, "eval/pass_at_k": 0.0}
+    torch.manual_seed(parts.cfg.trainer.seed + place.rank)  # the same pass@k draw at every eval (and on resume)
+    mine = rows[place.rank :: place.world_size]
+    for chunk in batches(mine, EVAL_BATCH):
         batch = parts.prompts.make_batch(chunk)
         completions = parts.sampler.greedy(policy, batch)
         scored = scorer.score_texts(batch.texts, completions, batch.columns, (len(chunk),))
-        totals += scored.total.tolist()
-        for name, values in scored.per_function.items():
-            per_function[name] += torch.nan_to_num(values, nan=0.0).tolist()
+        sums["eval/reward"] += scored.total.sum().item()
+        for name, values in scored.per_function.items():  # None (no opinion) counts 0
+            sums[f"eval/{name}"] += torch.nan_to_num(values, nan=0.0).sum().item()
         if parts.cfg.trainer.eval_pass_at_k:
             sampled = scorer.score(parts.sampler.sample(policy, batch))
-            first = torch.nan_to_num(sampled.per_function[scorer.names[0]], nan=0.0)  # [B, G]
-            best_of_group += first.max(dim=1).values.tolist()
-    metrics = {f"eval/{name}": sum(v) / len(v) for name, v in per_function.items()}
-    metrics["eval/reward"] = sum(totals) / len(totals)
-    metrics["eval/accuracy"] = metrics[f"eval/{scorer.names[0]}"]
-    if best_of_group:
-        metrics["eval/pass_at_k"] = sum(best_of_group) / len(best_of_group)
+            first = torch.nan_to_num(sampled.per_function[names[0]], nan=0.0)  # [B, G]
+            sums["eval/pass_at_k"] += first.max(dim=1).values.sum().item()
+    keys = sorted(sums)
+    totals = dict(zip(keys, sum_over_ranks([sums[key] for key in keys], place)))
+    metrics = {key: total / len(rows) for key, total in totals.items()}
+    metrics["eval/accuracy"] = metrics[f"eval/{names[0]}"]
+    if not parts.cfg.trainer.eval_pass_at_k:
+        del metrics["eval/pass_at_k"]
     return metrics

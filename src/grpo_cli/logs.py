@@ -145,6 +145,28 @@ class RunLogger:
         self.console.print(table)
 
 
+class QuietLogger:
+    """RunLogger's stand-in on the other ranks of a torchrun job: rank 0 alone prints and writes."""
+
+    def __init__(self) -> None:
+        self.history: list[dict[str, Any]] = []
+
+    def print(self, message: str) -> None:
+        pass
+
+    def log_step(self, step: int, metrics: dict[str, Any]) -> None:
+        self.history.append({"step": step, **metrics})
+
+    def log_samples(self, entries: list[dict[str, Any]]) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+    def summary(self, rows: dict[str, str]) -> None:
+        pass
+
+
 def window_mean(history: list[dict[str, Any]], key: str, first: bool, size: int) -> float | None:
     """Mean of `key` over the first or last `size` rows that have it."""
     values = [row[key] for row in history if key in row]

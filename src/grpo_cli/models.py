@@ -31,6 +31,7 @@ class Models:
     device: torch.device
     base_path: str  # the resolved folder or hub id of the base model
     uses_kl: bool  # beta > 0
+    trained: Optional[torch.nn.Module] = None  # the policy's DDP wrapper under torchrun (distributed.py)
 
 
 def resolve_device(setting: str) -> torch.device:

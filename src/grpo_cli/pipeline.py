@@ -22,10 +22,13 @@ from grpo_cli.advantages import group_advantages
 from grpo_cli.checkpoint import latest_checkpoint, load_trainer_state, save_checkpoint, set_rng_state
 from grpo_cli.config import ConfigError, beta_schedule, boosted_group_size, resume_mode, validate
 from grpo_cli.console import sample_entries
+from grpo_cli.distributed import (SINGLE, Distributed, barrier, broadcast_from_main, join_process_group,
+                                  leave_process_group, max_over_ranks, rank_device, reduce_metrics,
+                                  sampling_seed, weights_spread, wrap_for_training)
 from grpo_cli.dynamic import fill_informative_groups
 from grpo_cli.evaluation import evaluate
 from grpo_cli.guard import GuardState, roll_back, trigger
-from grpo_cli.logs import RunLogger, resident_memory_gb, window_mean
+from grpo_cli.logs import QuietLogger, RunLogger, resident_memory_gb, window_mean
 from grpo_cli.losses import BetaSchedule, beta_at
 from grpo_cli.models import Models, load_models, resolve_device, trainable_parameters
 from grpo_cli.optim import make_optimizer, make_scheduler
@@ -58,6 +61,7 @@ class RunParts:
     optimizer: torch.optim.Optimizer
     scheduler: torch.optim.lr_scheduler.LRScheduler
     betas: BetaSchedule
+    place: Distributed = SINGLE  # this process's rank under torchrun
 
 
 @dataclass
@@ -71,23 +75,32 @@ class StepResult:
 
 def run(cfg: Any) -> RunResult:
     validate(cfg)
+    place = join_process_group(cfg.trainer.distributed)  # SINGLE unless started by torchrun
+    try:
+        return train(cfg, place)
+    finally:
+        leave_process_group()
+
+
+def train(cfg: Any, place: Distributed) -> RunResult:
     trainer = cfg.trainer
     if not trainer.output_dir:
         raise ConfigError("trainer.output_dir is not set: give the folder the run writes to.")
-    output_dir = Path(trainer.output_dir)
+    output_dir = Path(broadcast_from_main(trainer.output_dir, place))  # ranks may have named it at different seconds
     output_dir.mkdir(parents=True, exist_ok=True)
     resume_from = find_resume_checkpoint(trainer.resume, output_dir)
 
     scorer = RewardScorer.from_config(cfg.reward, trainer.std_eps)  # imports each _target_: fails before loading
     seed_everything(trainer.seed)
-    device = resolve_device(trainer.device)
+    device = resolve_device(rank_device(trainer.device, place))
     betas = beta_schedule(trainer.beta)
     train_rows, eval_rows = train_and_eval_rows(cfg.data)
     models = load_models(cfg.model, betas.peak, device, checkpoint=str(resume_from) if resume_from else None)
-    prompts = PromptSource(cfg.data, models.tokenizer, train_rows)
+    models = wrap_for_training(models, place)
+    prompts = PromptSource(cfg.data, models.tokenizer, train_rows, place)
     optimizer = make_optimizer(cfg.optimizer, trainable_parameters(models.policy))
     parts = RunParts(cfg, models, make_sampler(cfg.sampler, models.tokenizer), scorer, prompts, optimizer,
-                     make_scheduler(cfg.optimizer, optimizer, trainer.steps * trainer.num_iterations), betas)
+                     make_scheduler(cfg.optimizer, optimizer, trainer.steps * trainer.num_iterations), betas, place)
     start_step, guard_state, state = 0, GuardState(), {}
     if resume_from is not None:
         state = load_trainer_state(resume_from)
@@ -98,10 +111,12 @@ def run(cfg: Any) -> RunResult:
         start_step = int(state["step"])
         guard_state = GuardState.from_state_dict(state.get("guard"))
     adaptive = AdaptiveGroupState.from_state_dict(state.get("adaptive"), cfg.sampler.group_size)
-    OmegaConf.save(cfg, output_dir / "config.yaml", resolve=True)
-
-    log = RunLogger(output_dir, trainer.steps, start_step, trainer.log_every, cfg.logger,
-                    OmegaConf.to_container(cfg, resolve=True))
+    if place.is_main:
+        OmegaConf.save(cfg, output_dir / "config.yaml", resolve=True)
+        log = RunLogger(output_dir, trainer.steps, start_step, trainer.log_every, cfg.logger,
+                        OmegaConf.to_container(cfg, resolve=True))
+    else:
+        log = QuietLogger()
     if resume_from is not None:
         log.print(f"Resuming from {resume_from} (step {start_step}).")
     started = time.perf_counter()
@@ -113,7 +128,7 @@ def run(cfg: Any) -> RunResult:
         log.log_step(0, before)  # row 0 of metrics.jsonl: the starting point of every curve
 
     def checkpoint(step: int, metrics: dict[str, Any], beta: float) -> Path:
-        return save_checkpoint(
+        saved = save_checkpoint(
             output_dir, step, models.policy, models.tokenizer,
             trainer_state={
                 "optimizer": optimizer.state_dict(),
@@ -125,7 +140,9 @@ def run(cfg: Any) -> RunResult:
             meta={"reward_mean": metrics["reward/mean"], "kl": metrics["kl"], "beta": beta},
             keep_last=trainer.keep_last,
             keep_best=trainer.keep_best,
-        )
+        ) if place.is_main else None  # rank 0 writes; the others wait until it is complete
+        barrier(place)
+        return broadcast_from_main(saved, place)
 
     last_checkpoint, eval_after, step = None, None, start_step
     with StopRequests() as stop:
@@ -160,6 +177,9 @@ def run(cfg: Any) -> RunResult:
                                                    trainer.sample_prompts))
 
                 scheduled = trainer.checkpoint_every and step % trainer.checkpoint_every == 0
+                if place.enabled:  # a signal may reach one rank first: all stop after the same step
+                    stopping = max_over_ranks([float(stop.requested is not None)], place)[0]
+                    stop.requested = stop.requested or ("a signal to another process" if stopping else None)
                 if final or scheduled or stop.requested:  # SIGINT / SIGTERM: keep the finished step
                     last_checkpoint = checkpoint(step, metrics, result.beta)
                 if stop.requested:
@@ -188,7 +208,7 @@ def train_step(parts: RunParts, step: int, group_size: int, beta_scale: float) -
     cfg, trainer = parts.cfg, parts.cfg.trainer
     # Sampling randomness is a function of (seed, step) alone, so a resumed run draws exactly
     # what an unbroken one would have.
-    torch.manual_seed(trainer.seed * 1_000_003 + step)
+    torch.manual_seed(sampling_seed(trainer.seed, step, parts.place.rank))
     step_started = time.perf_counter()
     cost = {"sample_seconds": 0.0, "reward_seconds": 0.0, "tokens": 0}
 
@@ -198,14 +218,14 @@ def train_step(parts: RunParts, step: int, group_size: int, beta_scale: float) -
     rollout, rewards = sample_round()
     filled = None
     if trainer.filter_zero_std:  # DAPO dynamic sampling: only groups whose rewards differ
-        filled = fill_informative_groups(rollout, rewards, sample_round, target=cfg.data.prompts_per_step,
+        filled = fill_informative_groups(rollout, rewards, sample_round, target=rollout.num_prompts,
                                          max_rounds=trainer.max_resample_rounds, std_threshold=trainer.std_threshold)
         rollout, rewards = filled.rollout, filled.rewards
     scored = time.perf_counter()
     advantages = group_advantages(rewards.for_advantages, trainer.std_eps, trainer.std_threshold, trainer.advantage)
     beta = beta_at(parts.betas, step - 1) * beta_scale
     stats = update_policy(parts.models, rollout, advantages, parts.optimizer, parts.scheduler, trainer,
-                          cfg.optimizer.max_grad_norm, beta)
+                          cfg.optimizer.max_grad_norm, beta, parts.place)
     updated = time.perf_counter()
 
     metrics = step_metrics(rollout, rewards, advantages, stats, beta, parts.scheduler.get_last_lr()[0])
@@ -224,6 +244,9 @@ def train_step(parts: RunParts, step: int, group_size: int, beta_scale: float) -
         "tokens_per_second": cost["tokens"] / max(cost["sample_seconds"], 1e-9),  # all rounds
         "memory/rss_gb": resident_memory_gb(),
     })
+    if parts.place.enabled:  # one row for the whole step; and proof the ranks hold the same weights
+        metrics = reduce_metrics(metrics, parts.place)
+        metrics["distributed/weights_spread"] = weights_spread(trainable_parameters(parts.models.policy), parts.place)
     return StepResult(metrics, rollout, rewards, advantages, beta)
 
 

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any, Iterable, Optional
 
 from grpo_cli.config import ConfigError, DataConfig
+from grpo_cli.distributed import SINGLE, Distributed, local_share
 from grpo_cli.records import PromptBatch
 from grpo_cli.tasks import SYNTHETIC_TASKS, synthetic_task_name
 
@@ -240,10 +241,13 @@ def wants_chat_template(setting: str, tokenizer) -> bool:
 
 
 class PromptSource:
-    """Hands out PromptBatch after PromptBatch, epoch after epoch, in a resumable order."""
+    """Hands out PromptBatch after PromptBatch, epoch after epoch, in a resumable order. Each
+    batch is data.prompts_per_step prompts, or this rank's share of them under torchrun."""
 
-    def __init__(self, data: DataConfig, tokenizer, rows: list[dict[str, Any]] | None = None):
+    def __init__(self, data: DataConfig, tokenizer, rows: list[dict[str, Any]] | None = None,
+                 place: Distributed = SINGLE):
         self.data = data
+        self.place = place  # under torchrun: every rank walks the same order and keeps its share
         self.tokenizer = tokenizer
         self.rows = rows if rows is not None else load_rows(data.path)
         self.chat = wants_chat_template(data.use_chat_template, tokenizer)
@@ -265,7 +269,7 @@ class PromptSource:
                 self._order = self._epoch_order(self.epoch)
             picked.append(self.rows[self._order[self.position]])
             self.position += 1
-        return self.make_batch(picked)
+        return self.make_batch(local_share(picked, self.place))
 
     def make_batch(self, rows: list[dict[str, Any]]) -> PromptBatch:
         data = self.data

@@ -5,15 +5,22 @@ Reference log-probs, and with mu > 1 the old policy's log-probs, are computed on
 first pass, so later passes see a real ratio pi_theta / pi_old and the clip can bite. Each pass
 accumulates gradients over micro-batches of `micro_batch_size` completions and ends in one
 optimizer step; a step whose gradient is not finite is skipped (never reaches the weights).
+
+Under torchrun (distributed.py) each rank trains on its share of the step: the loss
+denominators count the whole step over all ranks, each rank's loss is scaled by the number of
+ranks (DDP and FSDP average gradients), and the statistics are summed over ranks, so the
+gradient and the numbers equal those of one process training on the whole step.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import torch
 
 from grpo_cli.config import TrainerConfig
+from grpo_cli.distributed import SINGLE, Distributed, max_over_ranks, sum_over_ranks
 from grpo_cli.losses import LossSettings, StepSize, grpo_loss, token_entropy, token_log_probs
 from grpo_cli.models import Models, reference_model, trainable_parameters
 from grpo_cli.records import Advantages, Rollout, UpdateStats
@@ -61,9 +68,12 @@ def update_policy(
     trainer: TrainerConfig,
     max_grad_norm: float,
     beta: float,
+    place: Distributed = SINGLE,
 ) -> UpdateStats:
-    """Train on one generation batch; `beta` is the KL coefficient in force this step."""
+    """Train on one generation batch (this rank's share of it, under torchrun); `beta` is the KL
+    coefficient in force this step."""
     device, policy = models.device, models.policy
+    trained = models.trained or policy  # the DDP wrapper when there is one: it syncs gradients
     prompt_ids, prompt_mask = rollout.prompt_ids.to(device), rollout.prompt_mask.to(device)
     completion_ids, mask = rollout.completion_ids.to(device), rollout.completion_mask.to(device)
     loss_mask = mask
@@ -80,13 +90,16 @@ def update_policy(
         kl_estimator=trainer.kl_estimator,
         aggregation=trainer.loss_aggregation,
     )
-    # The sampler pads every completion to max_new_tokens, so T is Dr. GRPO's constant.
-    step_size = StepSize(sequences=count, tokens=int(loss_mask.sum()), max_new_tokens=completion_ids.shape[1])
+    # The sampler pads every completion to max_new_tokens, so T is Dr. GRPO's constant. The counts
+    # are the whole step's, over all ranks: each rank's loss is then its share of the step's loss.
+    sequences, tokens = sum_over_ranks([count, float(loss_mask.sum())], place)
+    step_size = StepSize(sequences=int(sequences), tokens=int(tokens), max_new_tokens=completion_ids.shape[1])
+    rank_scale = place.world_size  # DDP / FSDP average the ranks' gradients; the shares must add up
 
     if step_size.tokens == 0:  # every completion left out (mask_truncated): nothing to learn from
         return UpdateStats.nothing_trained(trainer.num_iterations)
 
-    def log_probs_of(model, chunk, with_entropy=False):
+    def log_probs_of(model, chunk, with_entropy=False):  # `model`: the policy, its DDP wrapper, or the reference
         return completion_log_probs(
             model, prompt_ids[chunk], prompt_mask[chunk], completion_ids[chunk], mask[chunk],
             rollout.temperature, with_entropy,
@@ -103,18 +116,22 @@ def update_policy(
     parameters = trainable_parameters(policy)
     totals = {"loss": 0.0, "kl_sum": 0.0, "clipped_high": 0.0, "clipped_low": 0.0, "tokens": 0.0}
     entropy_sum, grad_norm, skipped = 0.0, 0.0, 0
-    clip_by_pass, deviation_by_pass = [], []
+    clipped_by_pass, tokens_by_pass, deviation_by_pass = [], [], []
     for iteration in range(trainer.num_iterations):
         optimizer.zero_grad(set_to_none=True)
         pass_clipped, pass_tokens, pass_deviation = 0.0, 0.0, 0.0
         for index, chunk in enumerate(chunks):
-            log_probs, entropy = log_probs_of(policy, chunk, with_entropy=iteration == 0)
-            old_log_probs = old[index] if old is not None else log_probs.detach()
-            loss, metrics = grpo_loss(
-                log_probs, old_log_probs, reference[index], advantage_values[chunk], loss_mask[chunk],
-                settings, step_size,
-            )
-            loss.backward()
+            last_chunk = index == len(chunks) - 1
+            # DDP: gradients are exchanged once per pass, after the last micro-batch.
+            syncing = contextlib.nullcontext() if last_chunk or trained is policy else trained.no_sync()
+            with syncing:
+                log_probs, entropy = log_probs_of(trained, chunk, with_entropy=iteration == 0)
+                old_log_probs = old[index] if old is not None else log_probs.detach()
+                loss, metrics = grpo_loss(
+                    log_probs, old_log_probs, reference[index], advantage_values[chunk], loss_mask[chunk],
+                    settings, step_size,
+                )
+                (loss * rank_scale).backward()
             totals["loss"] += loss.item()
             if entropy is not None:  # over every completion token, truncated or not
                 entropy_sum += (entropy * mask[chunk]).sum().item()
@@ -123,7 +140,8 @@ def update_policy(
             pass_clipped += float(metrics["clipped_high"] + metrics["clipped_low"])
             pass_tokens += float(metrics["tokens"])
             pass_deviation = max(pass_deviation, float(metrics["ratio_max_deviation"]))
-        clip_by_pass.append(pass_clipped / max(pass_tokens, 1.0))
+        clipped_by_pass.append(pass_clipped)
+        tokens_by_pass.append(pass_tokens)
         deviation_by_pass.append(pass_deviation)
         grad_norm = float(torch.nn.utils.clip_grad_norm_(parameters, max_grad_norm or math.inf))
         if not math.isfinite(grad_norm):
@@ -134,6 +152,16 @@ def update_policy(
         scheduler.step()
 
     passes = trainer.num_iterations
+    # The whole step's numbers: sums over ranks (identity in one process).
+    names = sorted(totals)
+    summed = sum_over_ranks([totals[name] for name in names] + [entropy_sum, float(mask.sum())]
+                            + clipped_by_pass + tokens_by_pass, place)
+    totals = dict(zip(names, summed))
+    entropy_sum, entropy_tokens = summed[len(names)], summed[len(names) + 1]
+    clipped_by_pass = summed[len(names) + 2 : len(names) + 2 + passes]
+    tokens_by_pass = summed[len(names) + 2 + passes :]
+    clip_by_pass = [clipped / max(count, 1.0) for clipped, count in zip(clipped_by_pass, tokens_by_pass)]
+    deviation_by_pass = max_over_ranks(deviation_by_pass, place)
     tokens = max(totals["tokens"], 1.0)
     return UpdateStats(
         loss=totals["loss"] / passes,
@@ -143,7 +171,7 @@ def update_policy(
         clip_low_fraction=totals["clipped_low"] / tokens,
         clip_fraction_by_pass=clip_by_pass,
         ratio_deviation_by_pass=deviation_by_pass,
-        entropy=entropy_sum / max(int(mask.sum()), 1),
+        entropy=entropy_sum / max(entropy_tokens, 1.0),
         grad_norm=grad_norm,
         tokens=step_size.tokens,
         skipped_steps=skipped,

@@ -1,0 +1,226 @@
+"""Data parallel training under torchrun, on PyTorch's own distributed engine.
+
+`grpo-train` started by `torchrun --nproc-per-node N ...` finds RANK / WORLD_SIZE / LOCAL_RANK in
+its environment and joins the process group (NCCL on CUDA, gloo on CPU). Then:
+
+- `data.prompts_per_step` is the global batch: every rank draws the same global batch of prompts
+  (same shuffled order) and keeps its contiguous share of prompts_per_step / N prompts, with
+  each prompt's whole group of G completions, so group statistics (advantages) need no
+  communication;
+- each rank samples with its own seed, a function of (seed, step, rank): no duplicated
+  completions across ranks, and a rerun draws the same ones;
+- gradients are synchronized by DistributedDataParallel (`trainer.distributed=ddp`), or the
+  model is sharded by FSDP2's `fully_shard` (`trainer.distributed=fsdp`);
+- the loss of each rank is its share of the global loss: sequence and token counts in its
+  denominators are summed over ranks (`global_step_size`), so token_mean divides by the global
+  token count; and since DDP averages gradients over ranks, each rank's loss is multiplied by N;
+- metrics are reduced over ranks for logging (`reduce_metrics`), and only rank 0 prints, logs
+  and writes checkpoints; every rank loads the same checkpoint on resume.
+
+`Distributed` describes this process's place; `SINGLE` is a plain one-process run, for which
+every function here is the identity and calls no collective.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+DISTRIBUTED_MODES = ("ddp", "fsdp")
+
+
+@dataclass(frozen=True)
+class Distributed:
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+    mode: str = "ddp"  # trainer.distributed
+
+    @property
+    def enabled(self) -> bool:
+        return self.world_size > 1
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+SINGLE = Distributed()
+
+
+def launched_world_size() -> int:
+    """WORLD_SIZE as torchrun set it (1 when not launched by torchrun)."""
+    export_slurm_environment()
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def export_slurm_environment() -> None:
+    """In a SLURM job of several tasks started by the submitit launcher (hydra/launcher=
+    slurm_node: one task per GPU) there is no torchrun: submitit's helper writes the variables
+    torchrun would have set (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT) from
+    SLURM's, so the tasks join one process group. Anywhere else this does nothing."""
+    if "WORLD_SIZE" in os.environ or "SUBMITIT_FOLDER" not in os.environ:
+        return
+    if int(os.environ.get("SLURM_NTASKS", "1")) <= 1:
+        return
+    from submitit.helpers import TorchDistributedEnvironment
+
+    TorchDistributedEnvironment().export(set_cuda_visible_devices=False)
+
+
+def join_process_group(mode: str) -> Distributed:
+    """Join torchrun's process group (once); SINGLE when not launched by torchrun."""
+    world_size = launched_world_size()
+    if world_size <= 1:
+        return SINGLE
+    import torch.distributed as dist
+
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if not dist.is_initialized():
+        if torch.cuda.is_available():
+            torch.cuda.set_device(local_rank)
+        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+    return Distributed(dist.get_rank(), dist.get_world_size(), local_rank, mode)
+
+
+def leave_process_group() -> None:
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def rank_device(setting: str, place: Distributed) -> str:
+    """Under torchrun each rank uses its own GPU: `cuda` / `auto` become cuda:LOCAL_RANK."""
+    if place.enabled and torch.cuda.is_available() and setting.lower() in ("auto", "cuda"):
+        return f"cuda:{place.local_rank}"
+    return setting
+
+
+def sampling_seed(seed: int, step: int, rank: int) -> int:
+    """The seed of one rank's sampling at one step. Rank 0 keeps the single-process seed, so a
+    one-process run is unchanged; other ranks are offset far beyond any step count."""
+    return seed * 1_000_003 + step + rank * 1_000_000_007
+
+
+def local_share(items: list[Any], place: Distributed) -> list[Any]:
+    """This rank's contiguous share of a global list whose length world_size divides.
+    Example: 8 prompts, 2 ranks -> rank 0 keeps items 0..3, rank 1 items 4..7."""
+    if not place.enabled:
+        return items
+    share = len(items) // place.world_size
+    return items[place.rank * share : (place.rank + 1) * share]
+
+
+def sum_over_ranks(values: list[float], place: Distributed) -> list[float]:
+    """Element-wise sums of `values` over all ranks (float64, so counts stay exact)."""
+    if not place.enabled:
+        return list(values)
+    import torch.distributed as dist
+
+    tensor = torch.tensor(values, dtype=torch.float64)
+    if dist.get_backend() == "nccl":
+        tensor = tensor.cuda()
+    dist.all_reduce(tensor)
+    return tensor.cpu().tolist()
+
+
+def max_over_ranks(values: list[float], place: Distributed) -> list[float]:
+    if not place.enabled:
+        return list(values)
+    import torch.distributed as dist
+
+    tensor = torch.tensor(values, dtype=torch.float64)
+    if dist.get_backend() == "nccl":
+        tensor = tensor.cuda()
+    dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
+    return tensor.cpu().tolist()
+
+
+def broadcast_from_main(value: Any, place: Distributed) -> Any:
+    """Rank 0's `value` on every rank (any picklable object)."""
+    if not place.enabled:
+        return value
+    import torch.distributed as dist
+
+    box = [value]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def barrier(place: Distributed) -> None:
+    if place.enabled:
+        import torch.distributed as dist
+
+        dist.barrier()
+
+
+# How each metric combines over ranks. Every rank holds the same number of completions, so the
+# mean of the ranks' means is the global mean. Maxima stay maxima; work done adds up; the step
+# takes as long as its slowest rank. Standard deviations are averaged (an approximation, said
+# in docs/DISTRIBUTED.md); metrics every rank computes identically (beta, lr) are unchanged.
+MAX_KEYS = ("completion/length_max", "ratio/max_deviation", "memory/rss_gb")
+MAX_PREFIXES = ("time/",)
+SUM_KEYS = ("tokens_per_second", "sampling/extra_rounds", "sampling/informative_groups", "sampling/sampled_groups")
+SUM_SUFFIXES = ("/errors",)
+
+
+def reduction_of(key: str) -> str:
+    """"max", "sum" or "mean": how metric `key` combines over ranks."""
+    if key in MAX_KEYS or key.startswith(MAX_PREFIXES):
+        return "max"
+    if key in SUM_KEYS or key.endswith(SUM_SUFFIXES):
+        return "sum"
+    return "mean"
+
+
+def reduce_metrics(metrics: dict[str, Any], place: Distributed) -> dict[str, Any]:
+    """One metrics row for the whole step from each rank's row (every rank gets the result).
+    A value missing (None) on some rank is averaged over the ranks that have it."""
+    if not place.enabled:
+        return metrics
+    keys = sorted(key for key, value in metrics.items() if isinstance(value, (int, float)) or value is None)
+    present = [0.0 if metrics[key] is None else 1.0 for key in keys]
+    values = [0.0 if metrics[key] is None else float(metrics[key]) for key in keys]
+    sums = sum_over_ranks(values + present, place)
+    maxima = max_over_ranks([v if p else -float("inf") for v, p in zip(values, present)], place)
+    reduced = dict(metrics)
+    for index, key in enumerate(keys):
+        count = sums[len(keys) + index]
+        if count == 0:
+            reduced[key] = None
+            continue
+        how = reduction_of(key)
+        value = maxima[index] if how == "max" else sums[index] if how == "sum" else sums[index] / count
+        reduced[key] = int(value) if isinstance(metrics[key], int) and not isinstance(metrics[key], bool) else value
+    return reduced
+
+
+def wrap_for_training(models: Any, place: Distributed) -> Any:
+    """The models with the policy prepared for data parallel training (unchanged in one process).
+
+    ddp: `models.trained` is a DistributedDataParallel wrapper of the policy (which broadcasts
+    rank 0's weights at construction); the loss goes through it, sampling, the reference pass
+    (LoRA: adapter off) and checkpoints through the policy itself, which shares its parameters.
+    """
+    if not place.enabled:
+        return models
+    from dataclasses import replace
+
+    from torch.nn.parallel import DistributedDataParallel
+
+    if place.mode != "ddp":
+        raise NotImplementedError(f"trainer.distributed={place.mode} is not available yet")
+    device_ids = [models.device.index] if models.device.type == "cuda" else None
+    return replace(models, trained=DistributedDataParallel(models.policy, device_ids=device_ids))
+
+
+def weights_spread(parameters: list[torch.Tensor], place: Distributed) -> float:
+    """max - min over ranks of a float64 checksum of the trainable weights: exactly 0 while the
+    ranks hold the same weights (DDP), which `distributed/weights_spread` shows every step."""
+    checksum = float(sum(parameter.detach().double().sum() for parameter in parameters))
+    highest, negated_lowest = max_over_ranks([checksum, -checksum], place)
+    return highest + negated_lowest

@@ -1,0 +1,77 @@
+"""Run by tests/test_distributed.py under `torchrun --nproc-per-node 2`: one update of the tiny
+model on a fixed global batch, split over the ranks with DDP, against one process training on
+the whole batch. Rank 0 writes what it measured to OUT as JSON.
+
+usage: torchrun --nproc-per-node 2 distributed_equivalence.py MODEL_DIR AGGREGATION OUT
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import torch
+
+from grpo_cli.advantages import group_advantages
+from grpo_cli.distributed import SINGLE, broadcast_from_main, join_process_group, leave_process_group, wrap_for_training
+from grpo_cli.dynamic import select_rows
+from grpo_cli.models import load_models, trainable_parameters
+from grpo_cli.optim import make_optimizer, make_scheduler
+from grpo_cli.prompts import PromptSource
+from grpo_cli.records import Advantages
+from grpo_cli.sampling import make_sampler
+from grpo_cli.update import update_policy
+from helpers import config
+
+PROMPTS, GROUP = 4, 4  # 16 completions: 8 per rank, in micro-batches of 4 (gradient accumulation)
+
+
+def train_once(cfg, rollout, advantages, place):
+    """One update_policy call on fresh tiny weights; (stats, gradients, weights after)."""
+    models = wrap_for_training(load_models(cfg.model, 0.04, torch.device("cpu")), place)
+    parameters = trainable_parameters(models.policy)
+    optimizer = make_optimizer(cfg.optimizer, parameters)
+    scheduler = make_scheduler(cfg.optimizer, optimizer, 1)
+    stats = update_policy(models, rollout, advantages, optimizer, scheduler, cfg.trainer,
+                          cfg.optimizer.max_grad_norm, 0.04, place)
+    return stats, [p.grad.clone() for p in parameters], [p.detach().clone() for p in parameters]
+
+
+def main() -> None:
+    model_dir, aggregation, out = sys.argv[1:4]
+    place = join_process_group("ddp")
+    cfg = config(model_dir, f"data.prompts_per_step={PROMPTS}", f"sampler.group_size={GROUP}",
+                 "sampler.max_new_tokens=6", "trainer.micro_batch_size=4", f"trainer.loss_aggregation={aggregation}",
+                 "optimizer.lr=1e-3", "optimizer.max_grad_norm=0")
+    torch.manual_seed(0)
+    models = load_models(cfg.model, 0.0, torch.device("cpu"))
+    batch = PromptSource(cfg.data, models.tokenizer).next_batch()
+    # The same completions everywhere: rank 0 samples, the others receive them.
+    rollout = broadcast_from_main(make_sampler(cfg.sampler, models.tokenizer).sample(models.policy, batch), place)
+    rewards = torch.tensor([[1.0, 0.0, 0.0, 1.0], [0.0, 0.0, 1.0, 1.0], [1.0, 1.0, 1.0, 0.0], [0.0, 1.0, 0.0, 0.0]])
+    advantages = group_advantages(rewards, std_eps=1e-4, std_threshold=1e-4)
+
+    share = PROMPTS * GROUP // place.world_size
+    rows = list(range(place.rank * share, (place.rank + 1) * share))
+    local = Advantages(advantages.values[rows], advantages.zero_std_groups)
+    stats, gradients, weights = train_once(cfg, select_rows(rollout, rows), local, place)
+    if place.is_main:
+        whole_stats, whole_gradients, whole_weights = train_once(cfg, rollout, advantages, SINGLE)
+        result = {
+            "world_size": place.world_size,
+            "rows": len(rows),
+            "loss": [stats.loss, whole_stats.loss],
+            "kl": [stats.kl, whole_stats.kl],
+            "tokens": [stats.tokens, whole_stats.tokens],
+            "entropy": [stats.entropy, whole_stats.entropy],
+            "max_gradient_difference": max((a - b).abs().max().item() for a, b in zip(gradients, whole_gradients)),
+            "max_gradient": max(g.abs().max().item() for g in whole_gradients),
+            "max_weight_difference": max((a - b).abs().max().item() for a, b in zip(weights, whole_weights)),
+        }
+        with open(out, "w") as handle:
+            json.dump(result, handle)
+    leave_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,122 @@
+"""Data parallel training under torchrun, on CPU with the gloo backend: the split update equals
+one process training on the whole batch; a 2-process run keeps the ranks' weights identical,
+writes one set of files from rank 0, and resumes with 2 processes."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from omegaconf import OmegaConf
+
+from grpo_cli.distributed import (Distributed, launched_world_size, local_share, reduce_metrics, reduction_of,
+                                  sampling_seed)
+from grpo_cli.logs import read_metrics
+from helpers import TESTS_DIR, grpo_train, input_error
+
+TORCHRUN = str(Path(sys.executable).parent / "torchrun")
+
+
+def torchrun(*arguments: str, cwd: Path) -> subprocess.CompletedProcess:
+    result = subprocess.run(
+        [TORCHRUN, "--standalone", "--nproc-per-node", "2", *arguments], capture_output=True, text=True,
+        cwd=cwd, timeout=600,
+        env={**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": TESTS_DIR, "OMP_NUM_THREADS": "1"},
+    )
+    assert result.returncode == 0, f"torchrun failed ({result.returncode}):\n{result.stdout}\n{result.stderr}"
+    return result
+
+
+def test_local_share_keeps_whole_groups_in_order():
+    prompts = list(range(8))
+    assert local_share(prompts, Distributed(0, 2)) == [0, 1, 2, 3]
+    assert local_share(prompts, Distributed(1, 2)) == [4, 5, 6, 7]
+    assert local_share(prompts, Distributed()) == prompts
+
+
+def test_sampling_seeds_differ_by_rank_and_rank_0_keeps_the_single_process_seed():
+    assert sampling_seed(3, 10, 0) == 3 * 1_000_003 + 10
+    seeds = {sampling_seed(seed, step, rank) for seed in range(3) for step in range(1, 1000) for rank in range(8)}
+    assert len(seeds) == 3 * 999 * 8  # no two (seed, step, rank) share a seed
+
+
+def test_how_metrics_combine_over_ranks():
+    assert reduction_of("reward/mean") == "mean" and reduction_of("kl") == "mean"
+    assert reduction_of("completion/length_max") == "max" and reduction_of("time/step") == "max"
+    assert reduction_of("tokens_per_second") == "sum" and reduction_of("reward/exact_match/errors") == "sum"
+    assert reduce_metrics({"kl": 0.5}, Distributed()) == {"kl": 0.5}  # one process: unchanged
+
+
+@pytest.mark.parametrize("aggregation", ["sequence_mean", "token_mean"])
+def test_two_ranks_compute_the_loss_and_gradients_of_one_process_on_the_whole_batch(tmp_path, tiny_model_dir,
+                                                                                     aggregation):
+    out = tmp_path / "result.json"
+    torchrun(str(Path(TESTS_DIR) / "distributed_equivalence.py"), str(tiny_model_dir), aggregation, str(out),
+             cwd=tmp_path)
+    result = json.loads(out.read_text())
+    assert result["world_size"] == 2 and result["rows"] == 8  # each rank trained on half the completions
+    for key in ("loss", "kl", "tokens", "entropy"):
+        split, whole = result[key]
+        assert split == pytest.approx(whole, abs=1e-6), key
+    assert result["max_gradient"] > 1e-3  # a real gradient, matched to float precision
+    assert result["max_gradient_difference"] < 1e-6
+    assert result["max_weight_difference"] < 1e-5
+
+
+QUICK = ["data.prompts_per_step=4", "sampler.group_size=4", "data.eval_size=6", "trainer.log_every=1",
+         "trainer.checkpoint_every=2", "trainer.sample_every=0"]
+
+
+def test_a_two_process_run_keeps_the_ranks_in_step_and_resumes(tmp_path, tiny_model_dir):
+    run_dir = tmp_path / "run"
+    first = torchrun("-m", "grpo_cli.cli", *QUICK, "trainer.steps=3", f"hydra.run.dir={run_dir}", cwd=tmp_path)
+    assert first.stdout.count("grpo-train summary") == 1  # rank 0 alone prints
+    rows = read_metrics(run_dir)
+    assert [row["step"] for row in rows] == [0, 1, 2, 3]  # one row per step: rank 0 alone writes
+    assert all(row["distributed/weights_spread"] == 0.0 for row in rows[1:])  # identical weights after every step
+    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["step-000002", "step-000003"]
+
+    resumed = torchrun("-m", "grpo_cli.cli", *QUICK, "trainer.steps=5", "trainer.resume=true",
+                       f"hydra.run.dir={run_dir}", cwd=tmp_path)
+    assert resumed.stdout.count("Resuming from") == 1 and "(step 3)" in resumed.stdout
+    rows = read_metrics(run_dir)
+    assert [row["step"] for row in rows] == [0, 1, 2, 3, 4, 5]
+    assert all(row["distributed/weights_spread"] == 0.0 for row in rows[4:])
+    assert (run_dir / "checkpoints" / "step-000005" / "meta.json").is_file()
+
+
+@pytest.mark.parametrize("preset,tasks", [("slurm_gpu", 1), ("slurm_node", 8)])
+def test_the_slurm_launcher_presets_compose_without_a_cluster(tmp_path, preset, tasks):
+    result = grpo_train(f"hydra/launcher={preset}", "--cfg", "hydra", cwd=tmp_path)
+    launcher = OmegaConf.create(result.stdout).hydra.launcher
+    assert launcher._target_ == "hydra_plugins.hydra_submitit_launcher.submitit_launcher.SlurmLauncher"
+    assert (launcher.tasks_per_node, launcher.gpus_per_node) == (tasks, tasks)
+
+
+def test_a_multi_task_slurm_job_becomes_a_process_group(monkeypatch):
+    # What SLURM sets in task 3 of an 8-task job on one node started by submitit (slurm_node).
+    monkeypatch.setattr(os, "environ", {k: v for k, v in os.environ.items()
+                                        if k not in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")})
+    os.environ.update({"SUBMITIT_FOLDER": "/tmp/submitit", "SUBMITIT_EXECUTOR": "slurm", "SLURM_JOB_ID": "4242",
+                       "SLURM_NTASKS": "8", "SLURM_PROCID": "3", "SLURM_LOCALID": "3", "SLURM_NODEID": "0",
+                       "SLURM_JOB_NUM_NODES": "1", "SLURM_JOB_NODELIST": "gpu-node07"})
+    assert launched_world_size() == 8
+    assert (os.environ["RANK"], os.environ["LOCAL_RANK"], os.environ["MASTER_ADDR"]) == ("3", "3", "gpu-node07")
+
+
+def test_multirun_with_cfg_is_one_clear_error(tmp_path):
+    message = input_error("grpo-train", "-m", "trainer.beta=0.1,0.2", "--cfg", "hydra", cwd=tmp_path)
+    assert "Only one of --run, --multirun, --cfg" in message and "--cfg hydra hydra/launcher=slurm_gpu" in message
+
+
+def test_fsdp_is_refused_until_it_works(tiny_model_dir):
+    from grpo_cli.config import ConfigError, validate
+    from helpers import config
+
+    with pytest.raises(ConfigError, match="trainer.distributed=fsdp is not available yet"):
+        validate(config(tiny_model_dir, "trainer.distributed=fsdp"), check_files=False)
