@@ -117,26 +117,23 @@ def local_share(items: list[Any], place: Distributed) -> list[Any]:
 
 def sum_over_ranks(values: list[float], place: Distributed) -> list[float]:
     """Element-wise sums of `values` over all ranks (float64, so counts stay exact)."""
-    if not place.enabled:
-        return list(values)
-    import torch.distributed as dist
-
-    tensor = torch.tensor(values, dtype=torch.float64)
-    if dist.get_backend() == "nccl":
-        tensor = tensor.cuda()
-    dist.all_reduce(tensor)
-    return tensor.cpu().tolist()
+    return _all_reduce(values, place, "SUM")
 
 
 def max_over_ranks(values: list[float], place: Distributed) -> list[float]:
+    """Element-wise maxima of `values` over all ranks."""
+    return _all_reduce(values, place, "MAX")
+
+
+def _all_reduce(values: list[float], place: Distributed, operation: str) -> list[float]:
     if not place.enabled:
         return list(values)
     import torch.distributed as dist
 
     tensor = torch.tensor(values, dtype=torch.float64)
-    if dist.get_backend() == "nccl":
+    if dist.get_backend() == "nccl":  # NCCL reduces CUDA tensors only
         tensor = tensor.cuda()
-    dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
+    dist.all_reduce(tensor, op=getattr(dist.ReduceOp, operation))
     return tensor.cpu().tolist()
 
 
