@@ -2,7 +2,7 @@
 model on a fixed global batch, split over the ranks with DDP, against one process training on
 the whole batch. Rank 0 writes what it measured to OUT as JSON.
 
-usage: torchrun --nproc-per-node 2 distributed_equivalence.py MODEL_DIR AGGREGATION OUT
+usage: torchrun --nproc-per-node 2 distributed_equivalence.py MODEL_DIR AGGREGATION OUT [ddp|fsdp]
 """
 
 from __future__ import annotations
@@ -26,6 +26,11 @@ from helpers import config
 PROMPTS, GROUP = 4, 4  # 16 completions: 8 per rank, in micro-batches of 4 (gradient accumulation)
 
 
+def full(tensor):
+    """The whole tensor: FSDP holds a shard of it on each rank (gathering is a collective)."""
+    return tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
+
+
 def train_once(cfg, rollout, advantages, place):
     """One update_policy call on fresh tiny weights; (stats, gradients, weights after)."""
     models = wrap_for_training(load_models(cfg.model, 0.04, torch.device("cpu")), place)
@@ -34,12 +39,13 @@ def train_once(cfg, rollout, advantages, place):
     scheduler = make_scheduler(cfg.optimizer, optimizer, 1)
     stats = update_policy(models, rollout, advantages, optimizer, scheduler, cfg.trainer,
                           cfg.optimizer.max_grad_norm, 0.04, place)
-    return stats, [p.grad.clone() for p in parameters], [p.detach().clone() for p in parameters]
+    return stats, [full(p.grad).clone() for p in parameters], [full(p.detach()).clone() for p in parameters]
 
 
 def main() -> None:
     model_dir, aggregation, out = sys.argv[1:4]
-    place = join_process_group("ddp")
+    mode = sys.argv[4] if len(sys.argv) > 4 else "ddp"
+    place = join_process_group(mode)
     cfg = config(model_dir, f"data.prompts_per_step={PROMPTS}", f"sampler.group_size={GROUP}",
                  "sampler.max_new_tokens=6", "trainer.micro_batch_size=4", f"trainer.loss_aggregation={aggregation}",
                  "optimizer.lr=1e-3", "optimizer.max_grad_norm=0")
@@ -59,6 +65,7 @@ def main() -> None:
         whole_stats, whole_gradients, whole_weights = train_once(cfg, rollout, advantages, SINGLE)
         result = {
             "world_size": place.world_size,
+            "mode": place.mode,
             "rows": len(rows),
             "loss": [stats.loss, whole_stats.loss],
             "kl": [stats.kl, whole_stats.kl],

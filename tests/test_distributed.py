@@ -1,6 +1,7 @@
-"""Data parallel training under torchrun, on CPU with the gloo backend: the split update equals
-one process training on the whole batch; a 2-process run keeps the ranks' weights identical,
-writes one set of files from rank 0, and resumes with 2 processes."""
+"""Data parallel training under torchrun, on CPU with the gloo backend: the split update (DDP and
+FSDP) equals one process training on the whole batch; a 2-process run keeps the ranks' weights
+identical, writes one set of files from rank 0, and resumes with 2 processes; FSDP checkpoints
+are full and resume exactly; LoRA trains under both; the SLURM presets compose."""
 
 from __future__ import annotations
 
@@ -11,13 +12,16 @@ import sys
 from pathlib import Path
 
 import pytest
-
+import torch
 from omegaconf import OmegaConf
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM
 
+from grpo_cli.config import ConfigError, validate
 from grpo_cli.distributed import (Distributed, launched_world_size, local_share, reduce_metrics, reduction_of,
                                   sampling_seed)
 from grpo_cli.logs import read_metrics
-from helpers import TESTS_DIR, grpo_train, input_error
+from helpers import TESTS_DIR, config, grpo_train, input_error
 
 TORCHRUN = str(Path(sys.executable).parent / "torchrun")
 
@@ -52,14 +56,18 @@ def test_how_metrics_combine_over_ranks():
     assert reduce_metrics({"kl": 0.5}, Distributed()) == {"kl": 0.5}  # one process: unchanged
 
 
-@pytest.mark.parametrize("aggregation", ["sequence_mean", "token_mean"])
+@pytest.mark.parametrize("mode,aggregation", [
+    ("ddp", "sequence_mean"), ("ddp", "token_mean"),
+    pytest.param("fsdp", "token_mean", marks=pytest.mark.slow), pytest.param("fsdp", "sequence_mean", marks=pytest.mark.slow),
+])
 def test_two_ranks_compute_the_loss_and_gradients_of_one_process_on_the_whole_batch(tmp_path, tiny_model_dir,
-                                                                                     aggregation):
+                                                                                     mode, aggregation):
     out = tmp_path / "result.json"
-    torchrun(str(Path(TESTS_DIR) / "distributed_equivalence.py"), str(tiny_model_dir), aggregation, str(out),
+    torchrun(str(Path(TESTS_DIR) / "distributed_equivalence.py"), str(tiny_model_dir), aggregation, str(out), mode,
              cwd=tmp_path)
     result = json.loads(out.read_text())
-    assert result["world_size"] == 2 and result["rows"] == 8  # each rank trained on half the completions
+    assert result["world_size"] == 2 and result["mode"] == mode
+    assert result["rows"] == 8  # each rank trained on half the completions
     for key in ("loss", "kl", "tokens", "entropy"):
         split, whole = result[key]
         assert split == pytest.approx(whole, abs=1e-6), key
@@ -114,9 +122,63 @@ def test_multirun_with_cfg_is_one_clear_error(tmp_path):
     assert "Only one of --run, --multirun, --cfg" in message and "--cfg hydra hydra/launcher=slurm_gpu" in message
 
 
-def test_fsdp_is_refused_until_it_works(tiny_model_dir):
-    from grpo_cli.config import ConfigError, validate
-    from helpers import config
+def test_fsdp_refuses_what_needs_ranks_to_differ(tiny_model_dir):
+    with pytest.raises(ConfigError) as error:
+        validate(config(tiny_model_dir, "trainer.distributed=fsdp", "trainer.filter_zero_std=true",
+                        "trainer.guard.enabled=true"), check_files=False)
+    assert "trainer.filter_zero_std=true with trainer.distributed=fsdp" in str(error.value)
+    assert "trainer.guard.enabled=true with trainer.distributed=fsdp" in str(error.value)
 
-    with pytest.raises(ConfigError, match="trainer.distributed=fsdp is not available yet"):
-        validate(config(tiny_model_dir, "trainer.distributed=fsdp"), check_files=False)
+
+MEASURED = ("time/", "tokens_per_second", "memory/")
+
+
+def comparable(rows: list[dict]) -> list[dict]:
+    """Training rows without what is timed, and without eval (the stopped run also evaluated at
+    its last step, 2)."""
+    return [{k: v for k, v in row.items() if not k.startswith((*MEASURED, "eval/"))} for row in rows if row["step"]]
+
+
+@pytest.mark.slow
+def test_fsdp_checkpoints_gather_the_shards_and_a_resume_continues_exactly(tmp_path, tiny_model_dir):
+    # Sharded weights and optimizer state are gathered into one full checkpoint by rank 0; a run
+    # stopped after step 2 and resumed on 2 processes logs what an unbroken one does.
+    fsdp = [*QUICK, "trainer.distributed=fsdp"]
+    torchrun("-m", "grpo_cli.cli", *fsdp, "trainer.steps=4", f"hydra.run.dir={tmp_path / 'unbroken'}", cwd=tmp_path)
+    torchrun("-m", "grpo_cli.cli", *fsdp, "trainer.steps=2", f"hydra.run.dir={tmp_path / 'resumed'}", cwd=tmp_path)
+    torchrun("-m", "grpo_cli.cli", *fsdp, "trainer.steps=4", "trainer.resume=true",
+             f"hydra.run.dir={tmp_path / 'resumed'}", cwd=tmp_path)
+    unbroken, resumed = read_metrics(tmp_path / "unbroken"), read_metrics(tmp_path / "resumed")
+    assert [row["step"] for row in resumed] == [0, 1, 2, 3, 4]
+    assert comparable(resumed) == comparable(unbroken)
+    weights = load_file(tmp_path / "resumed" / "checkpoints" / "step-000004" / "model.safetensors")
+    assert all(type(tensor) is torch.Tensor for tensor in weights.values())  # full tensors, not shards
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "resumed" / "checkpoints" / "step-000004")
+    assert model.num_parameters() == AutoModelForCausalLM.from_pretrained(tiny_model_dir).num_parameters()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["ddp", "fsdp"])
+def test_lora_trains_under_both_modes(tmp_path, tiny_model_dir, mode):
+    from peft import PeftModel
+
+    run_dir = tmp_path / "lora"
+    torchrun("-m", "grpo_cli.cli", *QUICK, f"trainer.distributed={mode}", "trainer.steps=2", "model.lora.enabled=true",
+             "model.lora.r=4", "optimizer.lr=1e-2", f"hydra.run.dir={run_dir}", cwd=tmp_path)
+    checkpoint = run_dir / "checkpoints" / "step-000002"
+    assert (checkpoint / "adapter_config.json").is_file() and not (checkpoint / "model.safetensors").exists()
+    model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tiny_model_dir), checkpoint)
+    lora_b = [p for name, p in model.named_parameters() if "lora_B" in name]
+    assert lora_b and any(p.abs().max() > 0 for p in lora_b)  # B starts at 0: the adapter was trained
+    assert [row["step"] for row in read_metrics(run_dir)] == [0, 1, 2]
+
+
+def test_the_global_batch_must_split_into_whole_groups(tiny_model_dir, monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "3")  # as torchrun --nproc-per-node 3 sets it
+    with pytest.raises(ConfigError) as error:
+        validate(config(tiny_model_dir, "data.prompts_per_step=4", "trainer.micro_batch_size=8"), check_files=False)
+    message = str(error.value)
+    assert "data.prompts_per_step=4 must be a multiple of the 3 torchrun processes" in message
+    assert "trainer.micro_batch_size=8 must divide the completions per step on each of the 3 processes" in message
+    monkeypatch.setenv("WORLD_SIZE", "2")  # 2 prompts x G 4 per process: micro-batches of 8 fit
+    validate(config(tiny_model_dir, "data.prompts_per_step=4", "trainer.micro_batch_size=8"), check_files=False)

@@ -80,9 +80,11 @@ def save_checkpoint(
     meta: dict[str, Any],
     keep_last: int,
     keep_best: int = 0,
+    model_state: Optional[dict[str, Any]] = None,
 ) -> Path:
     """Write checkpoint `step` atomically, then delete all but the newest `keep_last` and the
-    `keep_best` with the highest `reward_mean` in their meta.json.
+    `keep_best` with the highest `reward_mean` in their meta.json. `model_state`: the policy's
+    full state dict when the model itself holds only shards (FSDP); else the model is read.
 
     A failure while writing (disk full, ...) removes the partial copy and raises CheckpointError
     saying which complete checkpoint survived."""
@@ -93,7 +95,7 @@ def save_checkpoint(
         root.mkdir(parents=True, exist_ok=True)
         shutil.rmtree(staging, ignore_errors=True)
         staging.mkdir()
-        policy.save_pretrained(staging)
+        policy.save_pretrained(staging, state_dict=model_state)
         tokenizer.save_pretrained(staging)
         torch.save({**trainer_state, "step": step, "rng": rng_state()}, staging / STATE_FILE)
         (staging / META_FILE).write_text(json.dumps({"step": step, **meta}, indent=2) + "\n")

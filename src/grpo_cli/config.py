@@ -361,11 +361,13 @@ def validate(cfg: Any, check_files: bool = True) -> None:
         problems.append(f"data.prompts_per_step={data.prompts_per_step} must be at least 1.")
     ranks = launched_world_size()  # torchrun's WORLD_SIZE: each rank trains on its share of the step
     if trainer.distributed == "fsdp":
-        problems.append(
-            "trainer.distributed=fsdp is not available yet (synced sampling and full-state checkpoints "
-            "of sharded weights are still to come; docs/DISTRIBUTED.md). Use trainer.distributed=ddp, "
-            "with LoRA or QLoRA (model.lora.enabled=true) where a full fine-tune does not fit one device."
-        )
+        # Sharded ranks gather weights together, so they must run the same forward passes.
+        if trainer.filter_zero_std:
+            problems.append("trainer.filter_zero_std=true with trainer.distributed=fsdp: ranks would take "
+                            "different numbers of sampling rounds. Use trainer.distributed=ddp for dynamic sampling.")
+        if trainer.guard.enabled:
+            problems.append("trainer.guard.enabled=true with trainer.distributed=fsdp: rolling back sharded "
+                            "weights is not supported yet. Use trainer.distributed=ddp, or run without the guard.")
     if ranks > 1 and data.prompts_per_step % ranks:
         problems.append(
             f"data.prompts_per_step={data.prompts_per_step} must be a multiple of the {ranks} torchrun "

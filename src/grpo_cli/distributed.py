@@ -197,22 +197,71 @@ def reduce_metrics(metrics: dict[str, Any], place: Distributed) -> dict[str, Any
 
 
 def wrap_for_training(models: Any, place: Distributed) -> Any:
-    """The models with the policy prepared for data parallel training (unchanged in one process).
+    """The models prepared for data parallel training (unchanged in one process).
 
     ddp: `models.trained` is a DistributedDataParallel wrapper of the policy (which broadcasts
     rank 0's weights at construction); the loss goes through it, sampling, the reference pass
     (LoRA: adapter off) and checkpoints through the policy itself, which shares its parameters.
+
+    fsdp: FSDP2's `fully_shard` on every decoder layer, then on the whole policy (and likewise on
+    a full fine-tune's frozen reference): each rank keeps 1/N of the weights, gradients and
+    optimizer state and gathers a layer's weights only for its forward and backward.
     """
     if not place.enabled:
         return models
     from dataclasses import replace
 
+    if place.mode == "fsdp":
+        for model in (models.policy, models.reference):
+            if model is not None:
+                _shard(model)
+        return models
     from torch.nn.parallel import DistributedDataParallel
 
-    if place.mode != "ddp":
-        raise NotImplementedError(f"trainer.distributed={place.mode} is not available yet")
     device_ids = [models.device.index] if models.device.type == "cuda" else None
     return replace(models, trained=DistributedDataParallel(models.policy, device_ids=device_ids))
+
+
+def _shard(model: torch.nn.Module) -> None:
+    from torch.distributed.fsdp import fully_shard
+
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model  # a PEFT model's base
+    layer_names = set(getattr(base, "_no_split_modules", None) or ())  # e.g. {"Qwen2DecoderLayer"}
+    for module in model.modules():
+        if type(module).__name__ in layer_names:
+            fully_shard(module)
+    # The root group (embeddings, final norm, head) on the transformers model itself: PEFT's
+    # generate calls it directly, past the PeftModel's own forward.
+    fully_shard(base)
+
+
+def is_sharded(place: Distributed) -> bool:
+    return place.enabled and place.mode == "fsdp"
+
+
+def full_states(policy: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                place: Distributed) -> tuple[Any, dict[str, Any]]:
+    """(model state dict or None, optimizer state dict) for a checkpoint. Under FSDP the shards
+    are gathered into full tensors on rank 0 (a collective: every rank calls it); otherwise the
+    model state is None (save_pretrained reads the model itself) and the optimizer's own."""
+    if not is_sharded(place):
+        return None, optimizer.state_dict()
+    from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
+                                                         get_optimizer_state_dict)
+
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    return get_model_state_dict(policy, options=options), get_optimizer_state_dict(policy, optimizer, options=options)
+
+
+def load_optimizer_state(policy: torch.nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any],
+                         place: Distributed) -> None:
+    """Restore the optimizer from a checkpoint's (full) state dict, sharding it under FSDP."""
+    if not is_sharded(place):
+        optimizer.load_state_dict(state)
+        return
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+
+    set_optimizer_state_dict(policy, optimizer, state, options=StateDictOptions(full_state_dict=True))
 
 
 def weights_spread(parameters: list[torch.Tensor], place: Distributed) -> float:

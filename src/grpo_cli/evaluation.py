@@ -10,7 +10,6 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from grpo_cli.distributed import sum_over_ranks
-from grpo_cli.prompts import batches
 
 if TYPE_CHECKING:
     from grpo_cli.pipeline import RunParts
@@ -33,17 +32,23 @@ def evaluate(parts: RunParts, rows: list[dict[str, Any]]) -> dict[str, float]:
     sums = {f"eval/{name}": 0.0 for name in names} | {"eval/reward": 0.0, "eval/pass_at_k": 0.0}
     torch.manual_seed(parts.cfg.trainer.seed + place.rank)  # the same pass@k draw at every eval (and on resume)
     mine = rows[place.rank :: place.world_size]
-    for chunk in batches(mine, EVAL_BATCH):
+    # Every rank runs the same number of batches (FSDP ranks gather weights together): a short
+    # share is topped up with copies of its first row, which weigh 0.
+    share = -(-len(rows) // place.world_size)
+    weights = torch.tensor([1.0] * len(mine) + [0.0] * (share - len(mine)))
+    mine = mine + [rows[0]] * (share - len(mine))
+    for start in range(0, share, EVAL_BATCH):
+        chunk, weight = mine[start : start + EVAL_BATCH], weights[start : start + EVAL_BATCH]
         batch = parts.prompts.make_batch(chunk)
         completions = parts.sampler.greedy(policy, batch)
         scored = scorer.score_texts(batch.texts, completions, batch.columns, (len(chunk),))
-        sums["eval/reward"] += scored.total.sum().item()
+        sums["eval/reward"] += (scored.total * weight).sum().item()
         for name, values in scored.per_function.items():  # None (no opinion) counts 0
-            sums[f"eval/{name}"] += torch.nan_to_num(values, nan=0.0).sum().item()
+            sums[f"eval/{name}"] += (torch.nan_to_num(values, nan=0.0) * weight).sum().item()
         if parts.cfg.trainer.eval_pass_at_k:
             sampled = scorer.score(parts.sampler.sample(policy, batch))
             first = torch.nan_to_num(sampled.per_function[names[0]], nan=0.0)  # [B, G]
-            sums["eval/pass_at_k"] += first.max(dim=1).values.sum().item()
+            sums["eval/pass_at_k"] += (first.max(dim=1).values * weight).sum().item()
     keys = sorted(sums)
     totals = dict(zip(keys, sum_over_ranks([sums[key] for key in keys], place)))
     metrics = {key: total / len(rows) for key, total in totals.items()}

@@ -22,9 +22,9 @@ from grpo_cli.advantages import group_advantages
 from grpo_cli.checkpoint import latest_checkpoint, load_trainer_state, save_checkpoint, set_rng_state
 from grpo_cli.config import ConfigError, beta_schedule, boosted_group_size, resume_mode, validate
 from grpo_cli.console import sample_entries
-from grpo_cli.distributed import (SINGLE, Distributed, barrier, broadcast_from_main, join_process_group,
-                                  leave_process_group, max_over_ranks, rank_device, reduce_metrics,
-                                  sampling_seed, weights_spread, wrap_for_training)
+from grpo_cli.distributed import (SINGLE, Distributed, barrier, broadcast_from_main, full_states, is_sharded,
+                                  join_process_group, leave_process_group, load_optimizer_state, max_over_ranks,
+                                  rank_device, reduce_metrics, sampling_seed, weights_spread, wrap_for_training)
 from grpo_cli.dynamic import fill_informative_groups
 from grpo_cli.evaluation import evaluate
 from grpo_cli.guard import GuardState, roll_back, trigger
@@ -99,12 +99,13 @@ def train(cfg: Any, place: Distributed) -> RunResult:
     models = wrap_for_training(models, place)
     prompts = PromptSource(cfg.data, models.tokenizer, train_rows, place)
     optimizer = make_optimizer(cfg.optimizer, trainable_parameters(models.policy))
-    parts = RunParts(cfg, models, make_sampler(cfg.sampler, models.tokenizer), scorer, prompts, optimizer,
+    sampler = make_sampler(cfg.sampler, models.tokenizer, synced=is_sharded(place))
+    parts = RunParts(cfg, models, sampler, scorer, prompts, optimizer,
                      make_scheduler(cfg.optimizer, optimizer, trainer.steps * trainer.num_iterations), betas, place)
     start_step, guard_state, state = 0, GuardState(), {}
     if resume_from is not None:
         state = load_trainer_state(resume_from)
-        optimizer.load_state_dict(state["optimizer"])
+        load_optimizer_state(models.policy, optimizer, state["optimizer"], place)
         parts.scheduler.load_state_dict(state["scheduler"])
         prompts.load_state_dict(state["data"])
         set_rng_state(state["rng"])
@@ -128,10 +129,11 @@ def train(cfg: Any, place: Distributed) -> RunResult:
         log.log_step(0, before)  # row 0 of metrics.jsonl: the starting point of every curve
 
     def checkpoint(step: int, metrics: dict[str, Any], beta: float) -> Path:
+        model_state, optimizer_state = full_states(models.policy, optimizer, place)  # FSDP: gathered on rank 0
         saved = save_checkpoint(
             output_dir, step, models.policy, models.tokenizer,
             trainer_state={
-                "optimizer": optimizer.state_dict(),
+                "optimizer": optimizer_state,
                 "scheduler": parts.scheduler.state_dict(),
                 "data": prompts.state_dict(),
                 "guard": guard_state.state_dict(),
@@ -140,6 +142,7 @@ def train(cfg: Any, place: Distributed) -> RunResult:
             meta={"reward_mean": metrics["reward/mean"], "kl": metrics["kl"], "beta": beta},
             keep_last=trainer.keep_last,
             keep_best=trainer.keep_best,
+            model_state=model_state,
         ) if place.is_main else None  # rank 0 writes; the others wait until it is complete
         barrier(place)
         return broadcast_from_main(saved, place)
@@ -244,9 +247,11 @@ def train_step(parts: RunParts, step: int, group_size: int, beta_scale: float) -
         "tokens_per_second": cost["tokens"] / max(cost["sample_seconds"], 1e-9),  # all rounds
         "memory/rss_gb": resident_memory_gb(),
     })
-    if parts.place.enabled:  # one row for the whole step; and proof the ranks hold the same weights
+    if parts.place.enabled:  # one row for the whole step; and (DDP) proof the ranks hold the same weights
         metrics = reduce_metrics(metrics, parts.place)
-        metrics["distributed/weights_spread"] = weights_spread(trainable_parameters(parts.models.policy), parts.place)
+        if not is_sharded(parts.place):
+            metrics["distributed/weights_spread"] = weights_spread(trainable_parameters(parts.models.policy),
+                                                                   parts.place)
     return StepResult(metrics, rollout, rewards, advantages, beta)
 
 

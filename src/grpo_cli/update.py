@@ -143,7 +143,8 @@ def update_policy(
         clipped_by_pass.append(pass_clipped)
         tokens_by_pass.append(pass_tokens)
         deviation_by_pass.append(pass_deviation)
-        grad_norm = float(torch.nn.utils.clip_grad_norm_(parameters, max_grad_norm or math.inf))
+        norm = torch.nn.utils.clip_grad_norm_(parameters, max_grad_norm or math.inf)
+        grad_norm = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)  # FSDP: a DTensor
         if not math.isfinite(grad_norm):
             optimizer.zero_grad(set_to_none=True)
             skipped += 1

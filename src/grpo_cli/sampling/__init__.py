@@ -30,7 +30,8 @@ def completion_mask(completion_ids: torch.Tensor, eos_token_id: int) -> tuple[to
     return mask, truncated
 
 
-def make_sampler(cfg: SamplerConfig, tokenizer):
+def make_sampler(cfg: SamplerConfig, tokenizer, synced: bool = False):
+    """`synced`: keep every rank generating until all have finished (FSDP, distributed.py)."""
     from grpo_cli.sampling.hf import HFSampler
 
-    return HFSampler(cfg, tokenizer)
+    return HFSampler(cfg, tokenizer, synced)

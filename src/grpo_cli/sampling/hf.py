@@ -10,9 +10,12 @@ from grpo_cli.sampling import completion_mask
 
 
 class HFSampler:
-    def __init__(self, cfg: SamplerConfig, tokenizer):
+    def __init__(self, cfg: SamplerConfig, tokenizer, synced: bool = False):
         self.cfg = cfg
         self.tokenizer = tokenizer
+        # FSDP: every rank must run the same number of forward passes (each gathers weights), so
+        # a rank whose completions have all ended keeps stepping until every rank has.
+        self.synced = synced
 
     def _generate(self, policy, input_ids, attention_mask, **options) -> torch.Tensor:
         """Completion ids [N, T] (T = max_new_tokens, EOS-padded past each completion's end)."""
@@ -28,6 +31,7 @@ class HFSampler:
                     pad_token_id=self.tokenizer.pad_token_id,
                     eos_token_id=self.tokenizer.eos_token_id,
                     use_cache=True,  # also under gradient checkpointing, which turns it off for training
+                    synced_gpus=self.synced,
                     **options,
                 )
         finally:
