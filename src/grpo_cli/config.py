@@ -16,6 +16,7 @@ from dataclasses import dataclass, field, fields, is_dataclass
 from pathlib import Path
 from typing import Any, List, Optional
 
+import torch
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, OmegaConf
 
@@ -45,6 +46,22 @@ class LoraConfig:
 
 
 @dataclass
+class ArchitectureConfig:
+    """A model's shape, as its config.json states it: what the memory planner counts with when
+    the model is not on this machine (each model preset records its numbers)."""
+
+    hidden_size: int = MISSING
+    intermediate_size: int = MISSING
+    num_hidden_layers: int = MISSING
+    num_attention_heads: int = MISSING
+    num_key_value_heads: int = MISSING
+    vocab_size: int = MISSING
+    tie_word_embeddings: bool = False
+    head_dim: Optional[int] = None
+    """Per-head width; null = hidden_size / num_attention_heads."""
+
+
+@dataclass
 class ModelConfig:
     name_or_path: str = MISSING
     """A Hugging Face model folder or hub id, or `builtin:tiny-addition` (built locally on first use)."""
@@ -60,6 +77,11 @@ class ModelConfig:
     pi/pi_old and the KL compare two random sub-networks, so rho != 1 even before any update."""
     trust_remote_code: bool = False
     """Allow model code shipped inside the model folder to run. Off unless you trust the source."""
+    reference_device: str = "same"
+    """Where a full fine-tune's frozen reference lives: same (the policy's device) | cpu | cuda |
+    cuda:N. It only runs forward, so it can sit on the CPU (slower) to free device memory."""
+    architecture: Optional[ArchitectureConfig] = None
+    """The model's shape for the memory planner when its config.json is not on this machine."""
 
 
 @dataclass
@@ -237,6 +259,12 @@ class TrainerConfig:
     """Prompts shown (and saved) each time."""
     output_dir: Optional[str] = None
     """Where the run writes. Unset: Hydra's run directory (outputs/DATE/TIME, or the multirun job dir)."""
+    plan: bool = False
+    """Print the memory plan (estimated peak per device) and exit without loading anything."""
+    plan_force: bool = False
+    """Train even when the memory plan says the run will not fit."""
+    memory_budget_gb: Optional[float] = None
+    """The memory the plan must fit in; null = the device's free memory (CUDA) or available RAM."""
     guard: GuardConfig = field(default_factory=GuardConfig)
     """The collapse guard: NaN/inf loss or gradients, a reward drop, or KL above a bound roll the
     run back to the last good checkpoint with beta raised (docs/ALGORITHM.md, README)."""
@@ -437,6 +465,15 @@ def validate(cfg: Any, check_files: bool = True) -> None:
     device = lower(trainer.device)
     if not (device in ("auto", "cpu", "cuda") or device.startswith("cuda:")):
         problems.append(f"trainer.device={trainer.device!r} is not one of auto, cpu, cuda, cuda:N.")
+    reference_device = lower(cfg.model.reference_device)
+    if not (reference_device in ("same", "cpu", "cuda") or reference_device.startswith("cuda:")):
+        problems.append(f"model.reference_device={cfg.model.reference_device!r} is not one of same, cpu, cuda, cuda:N.")
+    on_cuda = device.startswith("cuda") or (device == "auto" and torch.cuda.is_available())
+    if "paged" in str(cfg.optimizer._target_).lower() and not on_cuda:
+        problems.append(
+            f"optimizer._target_={cfg.optimizer._target_}: paged optimizers keep their states in CUDA "
+            "unified memory, and this run is on the CPU. Use optimizer=adamw_8bit (or adamw)."
+        )
     resume = trainer.resume
     if not isinstance(resume, (bool, str)) or resume == "":
         problems.append(f"trainer.resume={resume!r} must be false, true or a checkpoint folder.")

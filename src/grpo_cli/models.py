@@ -193,7 +193,8 @@ def load_models(cfg: ModelConfig, beta: float, device: torch.device,
         from peft import prepare_model_for_kbit_training
 
         policy = prepare_model_for_kbit_training(
-            policy, use_gradient_checkpointing=cfg.gradient_checkpointing
+            policy, use_gradient_checkpointing=cfg.gradient_checkpointing,
+            gradient_checkpointing_kwargs={"use_reentrant": False},  # as for unquantized models, below
         )
     elif cfg.gradient_checkpointing:
         policy.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -207,7 +208,8 @@ def load_models(cfg: ModelConfig, beta: float, device: torch.device,
 
     reference = None
     if beta > 0 and not lora:
-        reference = _from_pretrained(base_path, cfg, dtype, device)
+        reference_device = device if cfg.reference_device.lower() == "same" else resolve_device(cfg.reference_device)
+        reference = _from_pretrained(base_path, cfg, dtype, reference_device)
         reference.eval().requires_grad_(False)
     return Models(policy, reference, tokenizer, device, base_path, uses_kl=beta > 0)
 

@@ -100,10 +100,12 @@ def update_policy(
         return UpdateStats.nothing_trained(trainer.num_iterations)
 
     def log_probs_of(model, chunk, with_entropy=False):  # `model`: the policy, its DDP wrapper, or the reference
-        return completion_log_probs(
-            model, prompt_ids[chunk], prompt_mask[chunk], completion_ids[chunk], mask[chunk],
-            rollout.temperature, with_entropy,
+        here = next(model.parameters()).device  # a full fine-tune's reference may sit on the CPU
+        log_probs, entropy = completion_log_probs(
+            model, prompt_ids[chunk].to(here), prompt_mask[chunk].to(here), completion_ids[chunk].to(here),
+            mask[chunk].to(here), rollout.temperature, with_entropy,
         )
+        return log_probs.to(device), entropy
 
     policy.train()
     with torch.no_grad():
