@@ -98,6 +98,7 @@ def test_resume_from_a_given_checkpoint_folder(three_step_run, tmp_path):
     assert [row["step"] for row in read_metrics(tmp_path / "rollback")] == [3]
 
 
+@pytest.mark.slow  # about a minute: make test runs it
 def test_multirun_sweep_writes_one_run_dir_per_job(tmp_path, tiny_model_dir):
     sweep = tmp_path / "sweep"
     grpo_train("-m", *QUICK, "trainer.beta=0.01,0.04", "sampler.group_size=2,4", "trainer.steps=2",
@@ -145,6 +146,7 @@ def test_lora_run_saves_a_peft_adapter_that_loads(tmp_path, tiny_model_dir):
     assert rows[-1]["kl"] >= 0.0  # reference = the base with the adapter off
 
 
+@pytest.mark.slow  # about a minute: make test runs it
 def test_dapo_with_a_beta_schedule_logs_the_beta_in_force_and_the_sampling_rounds(tmp_path, tiny_model_dir):
     # algorithm=dapo sets beta 0; the command line wins with a schedule: 0.04 at the first
     # update, 0.02 after 1 of 2 warmup steps, 0.0 from the third step on.

@@ -80,6 +80,7 @@ QUICK = ["data.prompts_per_step=4", "sampler.group_size=4", "data.eval_size=6", 
          "trainer.checkpoint_every=2", "trainer.sample_every=0"]
 
 
+@pytest.mark.slow
 def test_a_two_process_run_keeps_the_ranks_in_step_and_resumes(tmp_path, tiny_model_dir):
     run_dir = tmp_path / "run"
     first = torchrun("-m", "grpo_cli.cli", *QUICK, "trainer.steps=3", f"hydra.run.dir={run_dir}", cwd=tmp_path)

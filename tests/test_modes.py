@@ -111,7 +111,7 @@ def test_a_full_fine_tunes_reference_can_sit_on_the_cpu(tiny_model_dir):
 def test_paged_optimizers_are_refused_on_the_cpu(tiny_model_dir):
     with pytest.raises(ConfigError, match="paged optimizers keep their states in CUDA unified memory"):
         validate(config(tiny_model_dir, "optimizer._target_=bitsandbytes.optim.PagedAdamW8bit",
-                        "trainer.device=cpu"), check_files=False)
+                        "trainer.device=cpu"))
 
 
 @pytest.fixture(scope="module")
@@ -128,6 +128,7 @@ def lora_runs(tmp_path_factory, tiny_model_dir):
     return folders
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["lora", "qlora"])
 def test_lora_and_qlora_runs_resume_from_their_adapter_checkpoints(lora_runs, name):
     rows = read_metrics(lora_runs[name])
@@ -137,6 +138,7 @@ def test_lora_and_qlora_runs_resume_from_their_adapter_checkpoints(lora_runs, na
     assert step_2.keys() == step_3.keys() and any(not torch.equal(step_2[k], step_3[k]) for k in step_2)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["lora", "qlora"])
 def test_grpo_export_merges_the_adapter_into_a_model_with_the_same_logits(lora_runs, tiny_model_dir, tmp_path, name):
     from peft import PeftModel
@@ -157,6 +159,7 @@ def test_grpo_export_merges_the_adapter_into_a_model_with_the_same_logits(lora_r
         assert torch.allclose(merged(**tokens).logits, wrapped(**tokens).logits, atol=1e-4)
 
 
+@pytest.mark.slow
 def test_grpo_export_refuses_bad_input(tmp_path, lora_runs):
     for arguments, expected in (
         ([str(tmp_path / "nothing"), str(tmp_path / "out")], "does not exist"),

@@ -468,12 +468,7 @@ def validate(cfg: Any, check_files: bool = True) -> None:
     reference_device = lower(cfg.model.reference_device)
     if not (reference_device in ("same", "cpu", "cuda") or reference_device.startswith("cuda:")):
         problems.append(f"model.reference_device={cfg.model.reference_device!r} is not one of same, cpu, cuda, cuda:N.")
-    on_cuda = device.startswith("cuda") or (device == "auto" and torch.cuda.is_available())
-    if "paged" in str(cfg.optimizer._target_).lower() and not on_cuda:
-        problems.append(
-            f"optimizer._target_={cfg.optimizer._target_}: paged optimizers keep their states in CUDA "
-            "unified memory, and this run is on the CPU. Use optimizer=adamw_8bit (or adamw)."
-        )
+
     resume = trainer.resume
     if not isinstance(resume, (bool, str)) or resume == "":
         problems.append(f"trainer.resume={resume!r} must be false, true or a checkpoint folder.")
@@ -494,6 +489,12 @@ def validate(cfg: Any, check_files: bool = True) -> None:
         problems += data_problems(data, model, sampler.max_new_tokens)
         problems += output_dir_problems(trainer.output_dir)
         problems += _logger_problems(cfg.logger)  # installed packages: this machine, like the files
+        on_cuda = device.startswith("cuda") or (device == "auto" and torch.cuda.is_available())
+        if "paged" in str(cfg.optimizer._target_).lower() and not on_cuda:
+            problems.append(
+                f"optimizer._target_={cfg.optimizer._target_}: paged optimizers keep their states in CUDA "
+                "unified memory, and this run is on the CPU. Use optimizer=adamw_8bit (or adamw)."
+            )
         if isinstance(resume, bool) or (isinstance(resume, str) and resume):
             problems += resume_problems(cfg)
 
