@@ -78,3 +78,10 @@ def test_eval_only_rows_and_missing_values_are_ignored():
     assert kinds(history) == ["zero_std"]
     history[-1]["completion/truncated_fraction"] = None
     assert "truncated" not in kinds(history)
+
+
+def test_the_newest_rows_decide_so_the_logger_passes_only_those():
+    from grpo_cli.health import HISTORY_NEEDED
+
+    history = rows(100, kl=[0.01 * (1 + 0.2 * i) for i in range(100)])
+    assert health_warnings(history[-HISTORY_NEEDED:]) == health_warnings(history)

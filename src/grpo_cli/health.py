@@ -27,6 +27,7 @@ TRUNCATED_LIMIT = 0.5
 TREND_STEPS = 20
 KL_RISING_R = 0.8  # r of KL with the step index over TREND_STEPS steps
 DIVERGING_R = 0.6  # both |r| for "reward falls while KL rises" (two signals together: less strict)
+HISTORY_NEEDED = max(ZERO_STD_STEPS, TREND_STEPS) + 1  # the newest rows any pattern reads (+ row 0)
 
 ZERO_STD = "all groups had equal rewards for {steps} steps: no learning signal (prompts too easy or too hard, or temperature too low)"
 TRUNCATED = "{fraction:.0%} of completions hit max_new_tokens without ending: max_new_tokens too small"

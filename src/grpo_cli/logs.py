@@ -22,7 +22,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from grpo_cli.console import plain_line, samples_table, samples_text, status_panel
-from grpo_cli.health import health_warnings
+from grpo_cli.health import HISTORY_NEEDED, health_warnings
 
 if TYPE_CHECKING:  # read_metrics is used by grpo-report, which should not wait for torch to import
     from grpo_cli.config import LoggerConfig
@@ -99,7 +99,7 @@ class RunLogger:
             backend.log_scalars(scalars, step)
         if "eval/accuracy" in row:
             self.last_eval = row
-        warnings = dict(health_warnings(self.history))
+        warnings = dict(health_warnings(self.history[-HISTORY_NEEDED:]))  # the tail: constant work per step
         for kind, message in warnings.items():
             if kind not in self.warnings:  # printed when it appears, not every step it lasts
                 self.console.print(f"[bold yellow]step {step} warning:[/] {message}", highlight=False, soft_wrap=True)
