@@ -123,16 +123,20 @@ def plan_memory(cfg: Any, prompt_tokens: Optional[int] = None, device: Optional[
     rows.append(Row("gradients", count * trained_size, f"{count:,} trainable params x {trained_size} B"))
     states = optimizer_bytes(str(cfg.optimizer._target_), trained, trained_size)
     rows.append(Row("optimizer states", states.bytes, f"{cfg.optimizer._target_}: {states.note}"))
-    if uses_kl and not lora:  # with LoRA the reference is the base model, adapter off
-        where = str(getattr(model, "reference_device", "same")).lower()
+    reference_here = True  # with LoRA the reference is the base model, adapter off
+    if uses_kl and not lora:
+        where = str(model.reference_device).lower()
+        reference_here = where == "same" or _device_kind(where) == device
         rows.append(Row("reference model", base, f"a frozen copy of the policy weights, on {where}",
-                        on_device=where == "same" or _device_kind(where) == device))
+                        on_device=reference_here))
     rows += [_row(f"sampling {what}", amount, "sampling")
              for what, amount in zip(("KV cache", "work"), sampling_amounts(arch, act, completions, prompt_tokens, new))]
     for entry in cfg.reward.functions:  # held weights, and a phase after sampling
         rows += _reward_model_rows(entry, device, prompt_tokens + new)
-    if uses_kl or trainer.num_iterations > 1:
-        rows.append(_row("reference pass", reference_amount(arch, act, micro, prompt_tokens, new), "reference pass"))
+    if uses_kl or trainer.num_iterations > 1:  # reference log-probs where the reference is; old ones here
+        reference = reference_amount(arch, act, micro, prompt_tokens, new)
+        rows.append(Row("reference pass", reference.bytes, reference.note, "reference pass",
+                        on_device=reference_here or trainer.num_iterations > 1))
     kept, backward = update_amounts(arch, act, micro, prompt_tokens, new, not lora, adapted, model.lora.r,
                                     bool(model.gradient_checkpointing))
     rows += [_row("update activations", kept, "update"), _row("update backward", backward, "update")]
