@@ -1,0 +1,312 @@
+"""The memory planner: the peak memory of one training process on its device, from the config
+and the model's config.json alone, before anything is loaded.
+
+    peak   = held + the largest phase
+    held   = policy weights + LoRA adapter + gradients + optimizer states + reference model
+             + reward model                      (allocated for the whole step)
+    phases = sampling | reference pass | update | eval | reward scoring   (one after the other)
+
+Gradients are held too: update.py frees them (zero_grad) at the start of the next update, so
+they are still there while the next step samples. The phases follow pipeline.py's order
+(sample -> reward -> reference log-probs -> update), so only the largest adds to the peak.
+The byte counts are in memory_formulas.py; `cheapest_fixes` re-plans the config with one change
+at a time; `format_plan` prints the table. docs/MEMORY.md explains every row.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, field
+from typing import Any, Optional, Sequence
+
+from omegaconf import OmegaConf
+
+from grpo_cli.architecture import (Architecture, Weight, architecture_from_block, architecture_from_hf,
+                                   architecture_of, local_config, lora_targets, lora_weights, model_weights,
+                                   parameter_count)
+from grpo_cli.config import ArchitectureConfig, beta_schedule, boosted_group_size
+from grpo_cli.evaluation import EVAL_BATCH
+from grpo_cli.memory_formulas import (DTYPE_BYTES, Amount, forward_bytes, optimizer_bytes, reference_amount,
+                                      sampling_amounts, update_amounts, weight_bytes)
+
+__all__ = ["architecture_of", "plan_memory", "cheapest_fixes", "format_plan", "format_fixes", "MemoryPlan", "Row",
+           "Fix", "GB", "DEFAULT_PROMPT_TOKENS"]
+
+GB = 1e9  # the table's unit, as memory/rss_gb in metrics.jsonl
+DEFAULT_PROMPT_TOKENS = 256  # a GSM8K question in a chat template is 100-250 tokens
+HELD = "held"  # the phase of rows allocated for the whole step
+REWARD_MODEL_TARGET = "grpo_cli.rewards.reward_model"
+
+
+@dataclass(frozen=True)
+class Row:
+    name: str
+    bytes: int
+    note: str  # how it was computed
+    phase: str = HELD  # HELD, or the transient phase it belongs to
+    on_device: bool = True  # False: on another device (a reference on the CPU), not in the peak
+
+
+@dataclass
+class MemoryPlan:
+    rows: list[Row]
+    arch: Architecture
+    device: str  # cuda | cpu
+    prompt_tokens: int
+    assumptions: list[str] = field(default_factory=list)
+
+    @property
+    def held_bytes(self) -> int:
+        return sum(row.bytes for row in self.rows if row.phase == HELD and row.on_device)
+
+    @property
+    def phase_bytes(self) -> dict[str, int]:
+        """Each phase's total on this device, in the order the step runs them."""
+        totals: dict[str, int] = {}
+        for row in self.rows:
+            if row.phase != HELD and row.on_device:
+                totals[row.phase] = totals.get(row.phase, 0) + row.bytes
+        return totals
+
+    @property
+    def peak_phase(self) -> str:
+        return max(self.phase_bytes.items(), key=lambda item: item[1], default=("none", 0))[0]
+
+    @property
+    def peak_bytes(self) -> int:
+        return self.held_bytes + self.phase_bytes.get(self.peak_phase, 0)
+
+    def bytes_of(self, name: str) -> int:
+        """The bytes of the row called `name` (0 when the plan has none)."""
+        return sum(row.bytes for row in self.rows if row.name == name)
+
+
+def plan_memory(cfg: Any, prompt_tokens: Optional[int] = None, device: Optional[str] = None,
+                arch: Optional[Architecture] = None) -> MemoryPlan:
+    """The memory plan of the composed config `cfg`, for one process.
+
+    prompt_tokens: the padded prompt length, unknown before tokenizing (default
+    DEFAULT_PROMPT_TOKENS, capped by the model's context). device: cuda | cpu (default:
+    trainer.device, where auto = cuda when torch sees one). arch: the model's shape (default:
+    architecture_of(cfg.model)).
+    """
+    model, trainer, sampler = cfg.model, cfg.trainer, cfg.sampler
+    arch = arch or architecture_of(model)
+    device = device or _device_kind(trainer.device)
+    dtype = _dtype_name(model.dtype, device)
+    size, quantization, lora = DTYPE_BYTES[dtype], str(model.quantization).lower(), bool(model.lora.enabled)
+    act = 4 if quantization != "none" else size  # peft's float32 upcast carries into the residual stream
+    assumptions = [f"shape from {arch.source}", f"{dtype} on {device}, one process"]
+    new = sampler.max_new_tokens
+    if prompt_tokens is None:
+        prompt_tokens = DEFAULT_PROMPT_TOKENS
+        if arch.context_length:
+            prompt_tokens = max(1, min(prompt_tokens, arch.context_length - new))
+        assumptions.append(f"prompts padded to {prompt_tokens} tokens: a guess, the length is known only "
+                           "after tokenizing")
+    group = boosted_group_size(sampler) if sampler.adaptive.enabled else sampler.group_size
+    completions = cfg.data.prompts_per_step * group
+    micro = trainer.micro_batch_size or completions
+    uses_kl = beta_schedule(trainer.beta).peak > 0
+
+    weights = model_weights(arch)
+    base = weight_bytes(weights, size, quantization, upcast=True)
+    rows = [Row("policy weights", base, _weights_note(weights, dtype, quantization, upcast=True))]
+    trained, trained_size, adapted = weights, size, ()
+    if lora:  # peft keeps the adapter in float32 whatever the base (autocast_adapter_dtype)
+        trained, trained_size = lora_weights(arch, model.lora.r, model.lora.target_modules), 4
+        adapted = lora_targets(arch, model.lora.target_modules)
+        rows.append(Row("LoRA adapter", 4 * parameter_count(trained),
+                        f"{parameter_count(trained):,} params = r {model.lora.r} x (in + out) of "
+                        f"{len(adapted)} linears x {arch.num_layers} layers, x 4 B"))
+    count = parameter_count(trained)
+    rows.append(Row("gradients", count * trained_size, f"{count:,} trainable params x {trained_size} B"))
+    states = optimizer_bytes(str(cfg.optimizer._target_), trained, trained_size)
+    rows.append(Row("optimizer states", states.bytes, f"{cfg.optimizer._target_}: {states.note}"))
+    reference_here = True  # with LoRA the reference is the base model, adapter off
+    if uses_kl and not lora:
+        where = str(model.reference_device).lower()
+        reference_here = where == "same" or _device_kind(where) == device
+        rows.append(Row("reference model", base, f"a frozen copy of the policy weights, on {where}",
+                        on_device=reference_here))
+    rows += [_row(f"sampling {what}", amount, "sampling")
+             for what, amount in zip(("KV cache", "work"), sampling_amounts(arch, act, completions, prompt_tokens, new))]
+    for entry in cfg.reward.functions:  # held weights, and a phase after sampling
+        rows += _reward_model_rows(entry, device, prompt_tokens + new)
+    if uses_kl or trainer.num_iterations > 1:  # reference log-probs where the reference is; old ones here
+        reference = reference_amount(arch, act, micro, prompt_tokens, new)
+        rows.append(Row("reference pass", reference.bytes, reference.note, "reference pass",
+                        on_device=reference_here or trainer.num_iterations > 1))
+    kept, backward = update_amounts(arch, act, micro, prompt_tokens, new, not lora, adapted, model.lora.r,
+                                    bool(model.gradient_checkpointing))
+    rows += [_row("update activations", kept, "update"), _row("update backward", backward, "update")]
+    if _has_eval(cfg.data):  # greedy: EVAL_BATCH prompts per generate; pass@k samples G of each
+        prompts = min(cfg.data.eval_size, EVAL_BATCH) * (sampler.group_size if trainer.eval_pass_at_k else 1)
+        rows += [_row(f"eval {what}", amount, "eval")
+                 for what, amount in zip(("KV cache", "work"), sampling_amounts(arch, act, prompts, prompt_tokens, new))]
+    return MemoryPlan(rows, arch, device, prompt_tokens, assumptions)
+
+
+def _row(name: str, amount: Amount, phase: str = HELD) -> Row:
+    return Row(name, amount.bytes, amount.note, phase)
+
+
+def _reward_model_rows(entry: Any, device: str, sequence: int) -> list[Row]:
+    """rewards.reward_model loads its model once and keeps it: its weights are held, its scoring
+    is a phase. Counted from its config.json when it is on this machine, else from an
+    `architecture` mapping in the entry (the function ignores keys it does not take)."""
+    if str(entry.get("_target_", "")) != REWARD_MODEL_TARGET:
+        return []
+    path = str(entry.get("path", ""))
+    config = local_config(path) if path else None
+    if config is not None:
+        arch, labels = architecture_from_hf(config, f"config.json of {path}"), int(getattr(config, "num_labels", 1))
+    elif entry.get("architecture") is not None:
+        block = OmegaConf.merge(OmegaConf.structured(ArchitectureConfig), entry["architecture"])  # typed, defaults
+        arch, labels = architecture_from_block(block, path), 1
+    else:
+        return [Row(f"reward model {path}", 0, "not counted: no config.json here; give the entry "
+                    "`architecture: {...}` to count it")]
+    setting = str(entry.get("device", "auto")).lower()
+    where = device if setting == "auto" else _device_kind(setting)
+    dtype, quantization = _dtype_name(str(entry.get("dtype", "auto")), where), str(entry.get("quantization", "none"))
+    weights = [w for w in model_weights(arch) if w.name != "lm_head.weight"] \
+        + [Weight("score.weight", labels, arch.hidden_size, 1, False)]  # *ForSequenceClassification head
+    batch, length = int(entry.get("batch_size", 8)), min(int(entry.get("max_length", 1024)), sequence)
+    return [Row(f"reward model {path}", weight_bytes(weights, DTYPE_BYTES[dtype], quantization, upcast=False),
+                _weights_note(weights, dtype, quantization, upcast=False), on_device=where == device),
+            Row("reward scoring", forward_bytes(arch, DTYPE_BYTES[dtype], batch, length),
+                f"no-grad forward of {batch} x {length} tokens", "reward scoring", where == device)]
+
+
+def _weights_note(weights: Sequence[Weight], dtype: str, quantization: str, upcast: bool) -> str:
+    count = parameter_count(weights)
+    if quantization == "none":
+        return f"{count:,} params x {DTYPE_BYTES[dtype]} B ({dtype})"
+    layout = "nf4 0.5 B + absmax" if quantization == "4bit" else "int8 1 B + row scales"
+    return f"{count:,} params: decoder linears {layout}, the rest {'float32' if upcast else dtype}"
+
+
+def _device_kind(setting: str) -> str:
+    setting = str(setting).lower()
+    if setting == "auto":
+        import torch
+
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return "cuda" if setting.startswith("cuda") else "cpu"
+
+
+def _dtype_name(setting: str, device: str) -> str:
+    """models.resolve_dtype for a device we may not be on: auto = bfloat16 on CUDA (float32 on a
+    GPU without bf16, known only when it is this machine's), float32 on the CPU."""
+    setting = str(setting).lower()
+    if setting != "auto":
+        return setting
+    if device != "cuda":
+        return "float32"
+    import torch
+
+    return "float32" if torch.cuda.is_available() and not torch.cuda.is_bf16_supported() else "bfloat16"
+
+
+def _has_eval(data: Any) -> bool:
+    from grpo_cli.prompts import synthetic_task_name
+
+    return bool(data.eval_path) or data.eval_holdout > 0 or synthetic_task_name(str(data.path)) is not None
+
+
+@dataclass(frozen=True)
+class Fix:
+    change: str  # what to do, in words
+    overrides: tuple[str, ...]  # the command-line overrides that do it
+    cost: str  # what it costs the run
+    saving: int  # bytes off the peak, this change alone
+    peak: int  # the peak with this change alone
+    cumulative_peak: int  # the peak with this and every fix listed before it
+
+
+def cheapest_fixes(cfg: Any, plan: MemoryPlan, budget_bytes: Optional[int] = None) -> list[Fix]:
+    """The changes that lower the peak, cheapest first (what they cost the run, not what they
+    save), each re-planned alone and together with the ones before it. With a budget, the list
+    stops at the first fix whose cumulative peak fits."""
+    fixes, together = [], copy.deepcopy(cfg)
+    for change, overrides, cost in _candidate_fixes(cfg, plan):
+        alone = _replan(copy.deepcopy(cfg), overrides, plan)
+        if alone.peak_bytes >= plan.peak_bytes:
+            continue
+        cumulative = _replan(together, overrides, plan)
+        fixes.append(Fix(change, overrides, cost, plan.peak_bytes - alone.peak_bytes, alone.peak_bytes,
+                         cumulative.peak_bytes))
+        if budget_bytes is not None and cumulative.peak_bytes <= budget_bytes:
+            break
+    return fixes
+
+
+def _replan(cfg: Any, overrides: Sequence[str], plan: MemoryPlan) -> MemoryPlan:
+    cfg.merge_with_dotlist(list(overrides))  # edits `cfg`: `together` accumulates the fixes
+    return plan_memory(cfg, plan.prompt_tokens, plan.device, plan.arch)
+
+
+def _candidate_fixes(cfg: Any, plan: MemoryPlan) -> list[tuple[str, tuple[str, ...], str]]:
+    """(change, overrides, cost) of every change that applies to `cfg`, cheapest first."""
+    model, trainer = cfg.model, cfg.trainer
+    candidates = []
+    if not str(cfg.optimizer._target_).endswith("8bit"):
+        candidates.append(("8-bit AdamW states", ("optimizer._target_=bitsandbytes.optim.AdamW8bit",),
+                           "optimizer states rounded to 8 bits"))
+    completions = cfg.data.prompts_per_step * cfg.sampler.group_size
+    micro = trainer.micro_batch_size or completions
+    smaller = max((size for size in range(1, micro // 2 + 1) if completions % size == 0), default=None)
+    if smaller and not cfg.sampler.adaptive.enabled:
+        candidates.append((f"micro_batch_size {micro} -> {smaller}", (f"trainer.micro_batch_size={smaller}",),
+                           "more forward/backward passes, the same gradient"))
+    if not model.gradient_checkpointing:
+        candidates.append(("gradient checkpointing", ("model.gradient_checkpointing=true",),
+                           "about a third more compute in the update"))
+    if any(row.name == "reference model" and row.on_device for row in plan.rows):
+        candidates.append(("reference on the CPU", ("model.reference_device=cpu",), "a slower reference pass"))
+    if plan.device == "cuda" and _dtype_name(model.dtype, "cuda") == "float32":
+        candidates.append(("bfloat16 weights", ("model.dtype=bfloat16",), "bfloat16 precision"))
+    if not model.lora.enabled:
+        candidates.append(("LoRA", ("model.lora.enabled=true",), "trains an adapter, not every weight"))
+    if str(model.quantization) == "none":
+        candidates.append(("4-bit base (QLoRA)", ("model.quantization=4bit", "model.lora.enabled=true"),
+                           "a quantized base model under the adapter"))
+    return candidates
+
+
+def format_plan(plan: MemoryPlan, budget_bytes: Optional[int] = None) -> str:
+    """The plan as a plain-text table in GB (1e9 bytes)."""
+    lines = [f"Memory plan, one process on {plan.device} (GB = 1e9 bytes)"]
+    width = max(len(row.name) for row in plan.rows)
+
+    def line(name: str, count: int, note: str, mark: str = "") -> None:
+        lines.append(f"  {name:<{width}} {count / GB:8.2f}  {mark}{note}")
+
+    lines.append("held for the whole step:")
+    for row in (row for row in plan.rows if row.phase == HELD):
+        line(row.name, row.bytes, row.note, "" if row.on_device else "(not on this device) ")
+    line("= held", plan.held_bytes, "")
+    lines.append("phases, one at a time (the largest adds to the peak):")
+    for phase, total in plan.phase_bytes.items():
+        for row in (row for row in plan.rows if row.phase == phase):
+            line(row.name, row.bytes, row.note)
+        line(f"= {phase}", total, "<- peak" if phase == plan.peak_phase else "")
+    lines.append(f"peak: held {plan.held_bytes / GB:.2f} + {plan.peak_phase} "
+                 f"{plan.phase_bytes.get(plan.peak_phase, 0) / GB:.2f} = {plan.peak_bytes / GB:.2f} GB")
+    if budget_bytes is not None:
+        spare = budget_bytes - plan.peak_bytes
+        verdict = f"fits, {spare / GB:.2f} GB to spare" if spare >= 0 else f"does not fit: {-spare / GB:.2f} GB over"
+        lines.append(f"budget {budget_bytes / GB:.2f} GB: {verdict}")
+    lines += [f"assumes: {text}" for text in plan.assumptions]
+    return "\n".join(lines)
+
+
+def format_fixes(fixes: Sequence[Fix], budget_bytes: Optional[int] = None) -> str:
+    """One line per fix: the saving alone, the peak with it and every fix above it."""
+    lines = []
+    for index, fix in enumerate(fixes, start=1):
+        fits = "" if budget_bytes is None else (" fits" if fix.cumulative_peak <= budget_bytes else "")
+        lines.append(f"{index}. {fix.change} ({' '.join(fix.overrides)}): -{fix.saving / GB:.2f} GB alone, "
+                     f"peak {fix.cumulative_peak / GB:.2f} GB with 1-{index}{fits}; costs {fix.cost}")
+    return "\n".join(lines)
