@@ -37,9 +37,11 @@ def train_once(cfg, rollout, advantages, place):
     parameters = trainable_parameters(models.policy)
     optimizer = make_optimizer(cfg.optimizer, parameters)
     scheduler = make_scheduler(cfg.optimizer, optimizer, 1)
+    gradients = []  # read just before the step: update_policy frees them after it
+    optimizer.register_step_pre_hook(lambda *_: gradients.extend(full(p.grad).clone() for p in parameters))
     stats = update_policy(models, rollout, advantages, optimizer, scheduler, cfg.trainer,
                           cfg.optimizer.max_grad_norm, 0.04, place)
-    return stats, [full(p.grad).clone() for p in parameters], [full(p.detach()).clone() for p in parameters]
+    return stats, gradients, [full(p.detach()).clone() for p in parameters]
 
 
 def main() -> None:

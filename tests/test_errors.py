@@ -156,6 +156,10 @@ def test_a_reward_returning_the_wrong_length_stops_the_run(tmp_path, tiny_model_
          "trainer.micro_batch_size=4 must divide the completions per step, "
          "data.prompts_per_step x sampler.group_size = 6"),
         (["model.quantization=4bit"], "model.quantization=4bit needs model.lora.enabled=true"),
+        (["model.dtype=float16"], "model.dtype=float16 with a full fine-tune (model.lora.enabled=false)"),
+        (["model.attn_implementation=flex"], "model.attn_implementation='flex' is not one of sdpa, eager"),
+        (["model.attn_implementation=flash_attention_2"], "model.attn_implementation=flash_attention_2 needs "
+                                                           "the flash-attn package"),
         (["sampler.max_new_tokens=0"], "sampler.max_new_tokens=0 must be positive."),
         (["sampler.temperature=0"], "sampler.temperature=0.0 must be positive: GRPO needs sampled groups"),
         (["trainer.beta=-0.1"], "trainer.beta=-0.1: trainer.beta must be a number >= 0"),

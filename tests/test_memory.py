@@ -34,13 +34,14 @@ MODES = {
     "lora-all-linear": (*LORA, "model.lora.target_modules=[all-linear]"),
     "lora-bf16": (*LORA, "model.dtype=bfloat16"),  # the adapter stays float32
     "qlora-4bit": (*LORA, "model.quantization=4bit"),
-    "qlora-4bit-bf16": (*LORA, "model.quantization=4bit", "model.dtype=bfloat16"),  # the rest upcast to float32
+    "qlora-4bit-bf16": (*LORA, "model.quantization=4bit", "model.dtype=bfloat16"),  # the rest stays bfloat16
+    "qlora-4bit-fp16": (*LORA, "model.quantization=4bit", "model.dtype=float16"),  # the rest upcast to float32
     "lora-8bit": (*LORA, "model.quantization=8bit"),
     "full-adamw8bit": (ADAMW_8BIT,),  # embeddings, linears: 8-bit states; norms, biases: float32
     "lora-adamw8bit": (*LORA, ADAMW_8BIT),  # every adapter tensor is under 4096 elements: float32 states
 }
-# The logits' element size: the model dtype; float32 when quantized (peft upcasts lm_head).
-LOGIT_BYTES = {"full-bf16": 2, "lora-bf16": 2}
+# The logits' element size: the model dtype; float32 under float16 QLoRA (peft upcasts lm_head).
+LOGIT_BYTES = {"full-bf16": 2, "lora-bf16": 2, "qlora-4bit-bf16": 2}
 PROMPT, NEW, SEQUENCES = 16, 24, 8  # the micro-batch of the activation check
 
 
@@ -185,8 +186,9 @@ def test_no_folder_and_no_architecture_block_is_a_config_error():
 
 
 def seven_b_full_fine_tune(*overrides: str):
-    """math_7b as a float16 full fine-tune with a frozen reference, checkpointing off."""
-    return compose_config("conf=math_7b", "model.lora.enabled=false", "model.dtype=float16",
+    """math_7b as a 16-bit full fine-tune with a frozen reference, checkpointing off (bfloat16:
+    validate refuses float16 without LoRA; the bytes are the same)."""
+    return compose_config("conf=math_7b", "model.lora.enabled=false", "model.dtype=bfloat16",
                           "model.gradient_checkpointing=false", *overrides)
 
 
@@ -200,8 +202,9 @@ def test_seven_b_full_fine_tune_rows_by_hand():
     # 16 prompts x 8 = 128 sequences of 256 + 512 positions; per position 28 layers x 2 (k, v)
     # x 4 heads x 128 x 2 B = 57,344 B
     assert plan.bytes_of("sampling KV cache") == 128 * 768 * 57_344
-    # weights 2 + reference 2 + gradients 2 + AdamW 4 bytes per parameter
-    assert plan.held_bytes == 10 * params + 4 * 339
+    # weights 2 + reference 2 + AdamW 4 bytes per parameter; the gradients only in the update
+    assert plan.held_bytes == 8 * params + 4 * 339
+    assert plan.phase_bytes["update"] > 2 * params
 
 
 def test_beta_zero_or_lora_has_no_reference_and_a_schedule_uses_its_peak(tiny_model_dir):
@@ -227,7 +230,7 @@ def test_reward_model_is_counted_from_its_config_or_its_architecture(tiny_model_
     assert plan.phase_bytes["reward scoring"] > 0
     elsewhere = plan_memory(config(tiny_model_dir, f"reward.functions=[{entry}]"), prompt_tokens=PROMPT, device="cuda")
     assert "reward scoring" not in elsewhere.phase_bytes  # on the CPU, the policy on the GPU
-    shape = ("{hidden_size: 3584, intermediate_size: 18944, num_hidden_layers: 28, num_attention_heads: 28, "
+    shape = ("{model_type: qwen2, hidden_size: 3584, intermediate_size: 18944, num_hidden_layers: 28, num_attention_heads: 28, "
              "num_key_value_heads: 4, vocab_size: 152064, tie_word_embeddings: false}")
     remote = f"{{_target_: grpo_cli.rewards.reward_model, path: Org/Qwen2.5-7B-RM, dtype: bfloat16, architecture: {shape}}}"
     plan = plan_memory(seven_b_full_fine_tune(f"reward.functions=[{remote}]"), prompt_tokens=256, device="cuda")
@@ -243,7 +246,7 @@ def test_fixes_are_cheapest_first_and_stop_at_the_budget():
     assert [fix.change for fix in fixes] == ["8-bit AdamW states", "micro_batch_size 8 -> 4", "gradient checkpointing"]
     assert all(fix.saving > 0 and fix.peak == plan.peak_bytes - fix.saving for fix in fixes)
     assert fixes[-1].cumulative_peak <= budget < fixes[-2].cumulative_peak
-    # AdamW (float16 states): 2 x 2 B x 7,615,616,512 + 4 B x 339 steps = 30,462,467,404 B.
+    # AdamW (bfloat16 states): 2 x 2 B x 7,615,616,512 + 4 B x 339 steps = 30,462,467,404 B.
     # AdamW8bit: the 333,312 bias and norm elements (28 x (3584 + 512 + 512 + 2 x 3584) + 3584,
     # every tensor under 4096) get 2 float32 states: 2,666,496 B; the other 7,615,283,200
     # (each tensor a multiple of 256) 2 x 1 B + 2 x 4 B per 256: 15,230,566,400 + 237,977,600 B;
@@ -298,8 +301,8 @@ for case in sys.argv[2:]:  # MICRO:BETA; one sample + update each, the high-wate
     update_policy(models, rollout, advantages, optimizer, make_scheduler(cfg.optimizer, optimizer, 1), cfg.trainer,
                   1.0, beta=float(beta))
     plan = plan_memory(cfg, prompt_tokens=rollout.prompt_ids.shape[1], device="cpu")
-    # A first step: gradients and optimizer states appear in the update (later steps hold them throughout).
-    update = plan.bytes_of("gradients") + plan.bytes_of("optimizer states") + plan.phase_bytes["update"]
+    # A first step: the optimizer states appear in the update (later steps hold them throughout).
+    update = plan.bytes_of("optimizer states") + plan.phase_bytes["update"]
     print(plan.peak_phase, status("VmHWM") - before, max(update, plan.phase_bytes["sampling"]), flush=True)
     del models, optimizer, rollout
 """

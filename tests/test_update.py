@@ -17,6 +17,13 @@ def test_single_pass_is_on_policy_and_never_clips(tiny_model_dir):
     assert stats.ratio_deviation_by_pass == [0.0] and stats.clip_fraction_by_pass == [0.0]
 
 
+def test_gradients_are_freed_after_the_optimizer_step(tiny_model_dir):
+    # Kept until the next update, a full fine-tune's gradients (one more copy of the weights)
+    # would sit through the next step's sampling; memory.py plans them in the update phase.
+    models, _, _, changed, _ = one_step(config(tiny_model_dir, "trainer.num_iterations=2"))
+    assert changed > 0 and all(parameter.grad is None for parameter in models.policy.parameters())
+
+
 def test_second_pass_sees_real_ratios_and_the_clip_bites(tiny_model_dir):
     # Old log-probs are computed once before pass 1, so pass 1 has rho = 1 (up to float noise);
     # a large step (lr 5e-2) then moves the policy, and with clip_eps 0.05 pass 2 must clip.

@@ -12,12 +12,12 @@ Qwen2 and Llama (and Mistral) decoders in transformers:
     lm_head [V, h]   (absent when tied: it is embed_tokens)
 
 Biases: Qwen2 has them on q/k/v (not o); Llama-style configs say `attention_bias` (q/k/v/o)
-and `mlp_bias` (gate/up/down), both off in the released Llama and Mistral models.
+and `mlp_bias` (gate/up/down), both off in the released Llama and Mistral models. A preset's
+block names its model_type, so both sources go through transformers' config of that type.
 """
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NamedTuple, Optional, Sequence
@@ -144,8 +144,8 @@ def architecture_of(model_cfg: Any) -> Architecture:
     raise ConfigError(
         f"model.name_or_path={name}: its config.json is not on this machine, so the memory planner "
         "does not know the model's shape. Give a local model folder (model.name_or_path=DIR), or "
-        "the numbers of its config.json under model.architecture (hidden_size, intermediate_size, "
-        "num_hidden_layers, num_attention_heads, num_key_value_heads, vocab_size, "
+        "the numbers of its config.json under model.architecture (model_type, hidden_size, "
+        "intermediate_size, num_hidden_layers, num_attention_heads, num_key_value_heads, vocab_size, "
         "tie_word_embeddings), as the presets in conf/model/ do."
     )
 
@@ -175,6 +175,11 @@ def architecture_from_hf(config: Any, source: str = "") -> Architecture:
     if any(getattr(text, key, None) for key in ("num_experts", "num_local_experts", "n_routed_experts")):
         raise ConfigError(f"{source}: a mixture-of-experts model; the memory planner counts dense "
                           "Qwen2/Llama-style decoders only.")
+    needed = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "vocab_size")
+    lacking = [key for key in needed if getattr(text, key, None) is None]
+    if lacking:
+        raise ConfigError(f"{source}: no {', '.join(lacking)}; the memory planner counts Qwen2/Llama-style "
+                          "decoders only.")
     heads = int(text.num_attention_heads)
     model_type = str(getattr(text, "model_type", "") or "")
     qwen2 = model_type == "qwen2"
@@ -196,19 +201,23 @@ def architecture_from_hf(config: Any, source: str = "") -> Architecture:
     )
 
 
-def architecture_from_block(block: Any, name_or_path: str) -> Architecture:
-    """From a preset's `model.architecture` (config.py ArchitectureConfig). The block has no
-    bias keys: Qwen2 models (the name says so) get q/k/v biases, all others none."""
-    heads = int(block.num_attention_heads)
-    return Architecture(
-        hidden_size=int(block.hidden_size),
-        intermediate_size=int(block.intermediate_size),
-        num_layers=int(block.num_hidden_layers),
-        num_heads=heads,
-        num_kv_heads=int(block.num_key_value_heads),
-        vocab_size=int(block.vocab_size),
-        tied_embeddings=bool(block.tie_word_embeddings),
-        head_dim=int(block.head_dim or block.hidden_size // heads),
-        qkv_bias="qwen2" in os.path.basename(name_or_path.rstrip("/")).lower(),
-        source=f"model.architecture of {name_or_path}",
-    )
+def architecture_from_block(block: Any, name_or_path: str, key: str = "model.architecture") -> Architecture:
+    """From a preset's `model.architecture` (config.py ArchitectureConfig; `key` names the block
+    in messages): transformers builds the config of its model_type from the numbers given, so
+    the block means what the same keys in a config.json mean (biases included)."""
+    from omegaconf import OmegaConf
+    from transformers import AutoConfig
+
+    values = OmegaConf.to_container(block) if OmegaConf.is_config(block) else dict(block)
+    missing = [name for name, value in values.items() if value == "???"]
+    if missing:
+        raise ConfigError(f"{key} of {name_or_path}: {', '.join(missing)} not set. Copy them from the "
+                          "model's config.json.")
+    model_type = values.pop("model_type")
+    try:
+        config = AutoConfig.for_model(str(model_type), **{name: value for name, value in values.items()
+                                                          if value is not None})
+    except ValueError:
+        raise ConfigError(f"{key}.model_type={model_type!r} ({name_or_path}) is not a model type transformers "
+                          "knows; copy it from the model's config.json (qwen2, llama, mistral, ...).") from None
+    return architecture_from_hf(config, source=f"{key} of {name_or_path}")

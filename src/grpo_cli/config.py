@@ -10,6 +10,7 @@ raises one `ConfigError` naming every key involved.
 
 from __future__ import annotations
 
+import importlib.util
 import math
 import os
 from dataclasses import dataclass, field, fields, is_dataclass
@@ -50,6 +51,9 @@ class ArchitectureConfig:
     """A model's shape, as its config.json states it: what the memory planner counts with when
     the model is not on this machine (each model preset records its numbers)."""
 
+    model_type: str = MISSING
+    """config.json's model_type (qwen2, llama, mistral, ...): transformers' defaults for that type
+    fill in the rest, e.g. Qwen2's biases on q/k/v."""
     hidden_size: int = MISSING
     intermediate_size: int = MISSING
     num_hidden_layers: int = MISSING
@@ -80,6 +84,9 @@ class ModelConfig:
     reference_device: str = "same"
     """Where a full fine-tune's frozen reference lives: same (the policy's device) | cpu | cuda |
     cuda:N. It only runs forward, so it can sit on the CPU (slower) to free device memory."""
+    attn_implementation: str = "sdpa"
+    """sdpa | eager | flash_attention_2 (needs the flash-attn package and a CUDA GPU). Passed to
+    from_pretrained; the memory planner counts sdpa's activations."""
     architecture: Optional[ArchitectureConfig] = None
     """The model's shape for the memory planner when its config.json is not on this machine."""
 
@@ -350,6 +357,7 @@ def _schema_class(annotation: Any) -> Optional[type]:
 CHOICES = {
     "model.dtype": ("auto", "float32", "bfloat16", "float16"),
     "model.quantization": ("none", "8bit", "4bit"),
+    "model.attn_implementation": ("sdpa", "eager", "flash_attention_2"),
     "data.use_chat_template": ("auto", "true", "false"),
     "optimizer.scheduler": ("constant", "linear", "cosine"),
 }
@@ -462,6 +470,17 @@ def validate(cfg: Any, check_files: bool = True) -> None:
             f"model.quantization={cfg.model.quantization} needs model.lora.enabled=true: quantized "
             "weights cannot be trained directly, only a LoRA adapter on top of them (QLoRA)."
         )
+    if lower(cfg.model.dtype) == "float16" and not cfg.model.lora.enabled:
+        problems.append(
+            "model.dtype=float16 with a full fine-tune (model.lora.enabled=false): the weights and "
+            "AdamW's states would be float16 with no float32 master copy, so updates smaller than "
+            "float16's resolution are lost. Use model.dtype=bfloat16 (or float32), or train a LoRA "
+            "adapter (model.lora.enabled=true: its weights are float32)."
+        )
+    if lower(cfg.model.attn_implementation) == "flash_attention_2" and check_files \
+            and importlib.util.find_spec("flash_attn") is None:
+        problems.append("model.attn_implementation=flash_attention_2 needs the flash-attn package (CUDA "
+                        "only), which is not installed: `pip install flash-attn`, or use sdpa.")
     device = lower(trainer.device)
     if not (device in ("auto", "cpu", "cuda") or device.startswith("cuda:")):
         problems.append(f"trainer.device={trainer.device!r} is not one of auto, cpu, cuda, cuda:N.")
@@ -622,8 +641,6 @@ OPTIONAL_LOGGERS = {"tensorboard": "tensorboard", "wandb": "wandb", "mlflow": "m
 
 
 def _logger_problems(logger: Any) -> list[str]:
-    import importlib.util
-
     return [f"logger.{key}=true, but the `{package}` package is not installed. Install it "
             f"(pip install {package}) or choose another logger (logger=tensorboard or logger=jsonl)."
             for key, package in OPTIONAL_LOGGERS.items()

@@ -46,9 +46,7 @@ def evaluate(parts: RunParts, rows: list[dict[str, Any]]) -> dict[str, float]:
         for name, values in scored.per_function.items():  # None (no opinion) counts 0
             sums[f"eval/{name}"] += (torch.nan_to_num(values, nan=0.0) * weight).sum().item()
         if parts.cfg.trainer.eval_pass_at_k:
-            sampled = scorer.score(parts.sampler.sample(policy, batch))
-            first = torch.nan_to_num(sampled.per_function[names[0]], nan=0.0)  # [B, G]
-            sums["eval/pass_at_k"] += (first.max(dim=1).values * weight).sum().item()
+            sums["eval/pass_at_k"] += _solved_sum(parts, chunk, weight)
     keys = sorted(sums)
     totals = dict(zip(keys, sum_over_ranks([sums[key] for key in keys], place)))
     metrics = {key: total / len(rows) for key, total in totals.items()}
@@ -56,3 +54,17 @@ def evaluate(parts: RunParts, rows: list[dict[str, Any]]) -> dict[str, float]:
     if not parts.cfg.trainer.eval_pass_at_k:
         del metrics["eval/pass_at_k"]
     return metrics
+
+
+def _solved_sum(parts: RunParts, rows: list[dict[str, Any]], weight: torch.Tensor) -> float:
+    """Sum over `rows` of the best first-function score among G sampled completions, weighted.
+    Sampled a training step's prompts at a time: a generate call never holds more sequences
+    than the step's own sampling, which the memory plan counts."""
+    step_prompts = max(1, parts.cfg.data.prompts_per_step // parts.place.world_size)
+    first_function, total = parts.scorer.names[0], 0.0
+    for start in range(0, len(rows), step_prompts):
+        batch = parts.prompts.make_batch(rows[start : start + step_prompts])
+        sampled = parts.scorer.score(parts.sampler.sample(parts.models.policy, batch))
+        first = torch.nan_to_num(sampled.per_function[first_function], nan=0.0)  # [b, G]
+        total += (first.max(dim=1).values * weight[start : start + step_prompts]).sum().item()
+    return total

@@ -6,8 +6,8 @@ and the model's config.json alone, before anything is loaded.
              + reward model                      (allocated for the whole step)
     phases = sampling | reference pass | update | eval | reward scoring   (one after the other)
 
-Gradients are held too: update.py frees them (zero_grad) at the start of the next update, so
-they are still there while the next step samples. The phases follow pipeline.py's order
+Gradients belong to the update: update.py frees them (zero_grad) right after the optimizer
+step, so they are gone while the next step samples. The phases follow pipeline.py's order
 (sample -> reward -> reference log-probs -> update), so only the largest adds to the peak.
 The byte counts are in memory_formulas.py; `cheapest_fixes` re-plans the config with one change
 at a time; `format_plan` prints the table. docs/MEMORY.md explains every row.
@@ -95,7 +95,10 @@ def plan_memory(cfg: Any, prompt_tokens: Optional[int] = None, device: Optional[
     device = device or _device_kind(trainer.device)
     dtype = _dtype_name(model.dtype, device)
     size, quantization, lora = DTYPE_BYTES[dtype], str(model.quantization).lower(), bool(model.lora.enabled)
-    act = 4 if quantization != "none" else size  # peft's float32 upcast carries into the residual stream
+    # models.load_models: under float16 a quantized policy goes through peft's float32 cast, which
+    # carries into the residual stream; in bfloat16 or float32 nothing is cast.
+    upcast = quantization != "none" and dtype == "float16"
+    act = 4 if upcast else size
     assumptions = [f"shape from {arch.source}", f"{dtype} on {device}, one process"]
     new = sampler.max_new_tokens
     if prompt_tokens is None:
@@ -110,8 +113,8 @@ def plan_memory(cfg: Any, prompt_tokens: Optional[int] = None, device: Optional[
     uses_kl = beta_schedule(trainer.beta).peak > 0
 
     weights = model_weights(arch)
-    base = weight_bytes(weights, size, quantization, upcast=True)
-    rows = [Row("policy weights", base, _weights_note(weights, dtype, quantization, upcast=True))]
+    base = weight_bytes(weights, size, quantization, upcast)
+    rows = [Row("policy weights", base, _weights_note(weights, dtype, quantization, upcast))]
     trained, trained_size, adapted = weights, size, ()
     if lora:  # peft keeps the adapter in float32 whatever the base (autocast_adapter_dtype)
         trained, trained_size = lora_weights(arch, model.lora.r, model.lora.target_modules), 4
@@ -120,14 +123,15 @@ def plan_memory(cfg: Any, prompt_tokens: Optional[int] = None, device: Optional[
                         f"{parameter_count(trained):,} params = r {model.lora.r} x (in + out) of "
                         f"{len(adapted)} linears x {arch.num_layers} layers, x 4 B"))
     count = parameter_count(trained)
-    rows.append(Row("gradients", count * trained_size, f"{count:,} trainable params x {trained_size} B"))
+    gradients = Row("gradients", count * trained_size, f"{count:,} trainable params x {trained_size} B", "update")
     states = optimizer_bytes(str(cfg.optimizer._target_), trained, trained_size)
     rows.append(Row("optimizer states", states.bytes, f"{cfg.optimizer._target_}: {states.note}"))
     reference_here = True  # with LoRA the reference is the base model, adapter off
     if uses_kl and not lora:
         where = str(model.reference_device).lower()
         reference_here = where == "same" or _device_kind(where) == device
-        rows.append(Row("reference model", base, f"a frozen copy of the policy weights, on {where}",
+        rows.append(Row("reference model", base, "a frozen copy of the policy weights, on "
+                        + ("the policy's device" if where == "same" else where),
                         on_device=reference_here))
     rows += [_row(f"sampling {what}", amount, "sampling")
              for what, amount in zip(("KV cache", "work"), sampling_amounts(arch, act, completions, prompt_tokens, new))]
@@ -139,9 +143,9 @@ def plan_memory(cfg: Any, prompt_tokens: Optional[int] = None, device: Optional[
                         on_device=reference_here or trainer.num_iterations > 1))
     kept, backward = update_amounts(arch, act, micro, prompt_tokens, new, not lora, adapted, model.lora.r,
                                     bool(model.gradient_checkpointing))
-    rows += [_row("update activations", kept, "update"), _row("update backward", backward, "update")]
-    if _has_eval(cfg.data):  # greedy: EVAL_BATCH prompts per generate; pass@k samples G of each
-        prompts = min(cfg.data.eval_size, EVAL_BATCH) * (sampler.group_size if trainer.eval_pass_at_k else 1)
+    rows += [gradients, _row("update activations", kept, "update"), _row("update backward", backward, "update")]
+    if _has_eval(cfg.data):  # greedy, EVAL_BATCH prompts per generate (pass@k samples no more than a step)
+        prompts = min(cfg.data.eval_size, EVAL_BATCH)
         rows += [_row(f"eval {what}", amount, "eval")
                  for what, amount in zip(("KV cache", "work"), sampling_amounts(arch, act, prompts, prompt_tokens, new))]
     return MemoryPlan(rows, arch, device, prompt_tokens, assumptions)
@@ -163,7 +167,7 @@ def _reward_model_rows(entry: Any, device: str, sequence: int) -> list[Row]:
         arch, labels = architecture_from_hf(config, f"config.json of {path}"), int(getattr(config, "num_labels", 1))
     elif entry.get("architecture") is not None:
         block = OmegaConf.merge(OmegaConf.structured(ArchitectureConfig), entry["architecture"])  # typed, defaults
-        arch, labels = architecture_from_block(block, path), 1
+        arch, labels = architecture_from_block(block, path, "reward.functions[].architecture"), 1
     else:
         return [Row(f"reward model {path}", 0, "not counted: no config.json here; give the entry "
                     "`architecture: {...}` to count it")]
@@ -228,11 +232,13 @@ class Fix:
 def cheapest_fixes(cfg: Any, plan: MemoryPlan, budget_bytes: Optional[int] = None) -> list[Fix]:
     """The changes that lower the peak, cheapest first (what they cost the run, not what they
     save), each re-planned alone and together with the ones before it. With a budget, the list
-    stops at the first fix whose cumulative peak fits."""
+    leaves out fixes that save under 5% of the excess and stops at the first fix whose
+    cumulative peak fits."""
     fixes, together = [], copy.deepcopy(cfg)
+    negligible = 0.05 * (plan.peak_bytes - budget_bytes) if budget_bytes is not None else 0
     for change, overrides, cost in _candidate_fixes(cfg, plan):
         alone = _replan(copy.deepcopy(cfg), overrides, plan)
-        if alone.peak_bytes >= plan.peak_bytes:
+        if plan.peak_bytes - alone.peak_bytes <= negligible:
             continue
         cumulative = _replan(together, overrides, plan)
         fixes.append(Fix(change, overrides, cost, plan.peak_bytes - alone.peak_bytes, alone.peak_bytes,
@@ -308,5 +314,5 @@ def format_fixes(fixes: Sequence[Fix], budget_bytes: Optional[int] = None) -> st
     for index, fix in enumerate(fixes, start=1):
         fits = "" if budget_bytes is None else (" fits" if fix.cumulative_peak <= budget_bytes else "")
         lines.append(f"{index}. {fix.change} ({' '.join(fix.overrides)}): -{fix.saving / GB:.2f} GB alone, "
-                     f"peak {fix.cumulative_peak / GB:.2f} GB with 1-{index}{fits}; costs {fix.cost}")
+                     f"peak {fix.cumulative_peak / GB:.2f} GB with 1-{index}{fits}; cost: {fix.cost}")
     return "\n".join(lines)

@@ -49,8 +49,9 @@ def int8_bytes(weight: Weight) -> int:
 
 def weight_bytes(weights: Sequence[Weight], dtype_bytes: int, quantization: str, upcast: bool) -> int:
     """Quantization replaces the decoder linears' weights; the rest (embeddings, lm_head, norms,
-    biases) keeps `dtype_bytes`, or float32 with `upcast`: the policy goes through peft's
-    prepare_model_for_kbit_training, which casts every bf16/fp16 parameter left to float32."""
+    biases) keeps `dtype_bytes`, or float32 with `upcast`: a float16 quantized policy goes
+    through peft's prepare_model_for_kbit_training, which casts every float16 parameter left to
+    float32 (models.load_models)."""
     rest_bytes = 4 if upcast and quantization != "none" else dtype_bytes
     total = 0
     for weight in weights:

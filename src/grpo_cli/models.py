@@ -168,7 +168,8 @@ def _quantization_config(cfg: ModelConfig, dtype: torch.dtype):
 
 
 def _from_pretrained(path: str, cfg: ModelConfig, dtype: torch.dtype, device: torch.device):
-    options = {"dtype": dtype, "trust_remote_code": cfg.trust_remote_code}
+    options = {"dtype": dtype, "trust_remote_code": cfg.trust_remote_code,
+               "attn_implementation": cfg.attn_implementation}
     if cfg.quantization != "none":
         options["quantization_config"] = _quantization_config(cfg, dtype)
         options["device_map"] = {"": device}
@@ -189,9 +190,13 @@ def load_models(cfg: ModelConfig, beta: float, device: torch.device,
 
     lora = cfg.lora.enabled
     policy = _from_pretrained(checkpoint if checkpoint and not lora else base_path, cfg, dtype, device)
-    if cfg.quantization != "none":
+    if cfg.quantization != "none" and dtype == torch.float16:
         from peft import prepare_model_for_kbit_training
 
+        # peft's preparation casts every float16 weight left (embeddings, lm_head, norms) to
+        # float32: float16's range is too narrow for them. In bfloat16 that cast would double
+        # those weights and make the residual stream float32 (twice the activations and the
+        # KV cache), so there we prepare the same way as an unquantized model, below.
         policy = prepare_model_for_kbit_training(
             policy, use_gradient_checkpointing=cfg.gradient_checkpointing,
             gradient_checkpointing_kwargs={"use_reentrant": False},  # as for unquantized models, below

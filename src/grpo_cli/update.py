@@ -120,7 +120,7 @@ def update_policy(
     entropy_sum, grad_norm, skipped = 0.0, 0.0, 0
     clipped_by_pass, tokens_by_pass, deviation_by_pass = [], [], []
     for iteration in range(trainer.num_iterations):
-        optimizer.zero_grad(set_to_none=True)
+        optimizer.zero_grad(set_to_none=True)  # nothing to free after a finished pass; a cut-off one
         pass_clipped, pass_tokens, pass_deviation = 0.0, 0.0, 0.0
         for index, chunk in enumerate(chunks):
             last_chunk = index == len(chunks) - 1
@@ -147,12 +147,14 @@ def update_policy(
         deviation_by_pass.append(pass_deviation)
         norm = torch.nn.utils.clip_grad_norm_(parameters, max_grad_norm or math.inf)
         grad_norm = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)  # FSDP: a DTensor
-        if not math.isfinite(grad_norm):
-            optimizer.zero_grad(set_to_none=True)
+        if math.isfinite(grad_norm):
+            optimizer.step()
+            scheduler.step()
+        else:
             skipped += 1
-            continue
-        optimizer.step()
-        scheduler.step()
+        # Free the gradients now rather than at the next update: kept, they would sit through
+        # the next step's sampling, the peak of many runs (memory.py plans them in the update).
+        optimizer.zero_grad(set_to_none=True)
 
     passes = trainer.num_iterations
     # The whole step's numbers: sums over ranks (identity in one process).
