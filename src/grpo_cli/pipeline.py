@@ -30,6 +30,7 @@ from grpo_cli.evaluation import evaluate
 from grpo_cli.guard import GuardState, roll_back, trigger
 from grpo_cli.logs import QuietLogger, RunLogger, resident_memory_gb, window_mean
 from grpo_cli.losses import BetaSchedule, beta_at
+from grpo_cli.memory_check import check_memory, print_plan
 from grpo_cli.models import Models, load_models, resolve_device, trainable_parameters
 from grpo_cli.optim import make_optimizer, make_scheduler
 from grpo_cli.prompts import PromptSource, train_and_eval_rows
@@ -73,7 +74,11 @@ class StepResult:
     beta: float  # the KL coefficient in force
 
 
-def run(cfg: Any) -> RunResult:
+def run(cfg: Any) -> Optional[RunResult]:
+    if cfg.trainer.plan:  # the memory plan alone: nothing is loaded, the model need not be here
+        validate(cfg, check_files=False)
+        print_plan(cfg)
+        return None
     validate(cfg)
     place = join_process_group(cfg.trainer.distributed)  # SINGLE unless started by torchrun
     try:
@@ -95,6 +100,7 @@ def train(cfg: Any, place: Distributed) -> RunResult:
     device = resolve_device(rank_device(trainer.device, place))
     betas = beta_schedule(trainer.beta)
     train_rows, eval_rows = train_and_eval_rows(cfg.data)
+    check_memory(cfg, device, train_rows + eval_rows, output_dir, place)  # stops here if it will not fit
     models = load_models(cfg.model, betas.peak, device, checkpoint=str(resume_from) if resume_from else None)
     models = wrap_for_training(models, place)
     prompts = PromptSource(cfg.data, models.tokenizer, train_rows, place)

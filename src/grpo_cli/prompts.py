@@ -202,11 +202,9 @@ def _length_problems(data: DataConfig, key: str, path: str, rows: list[dict[str,
         return [f"sampler.max_new_tokens={max_new_tokens} leaves no room for a prompt in the "
                 f"model's context of {context} positions (max_position_embeddings). Lower it."]
     try:
-        chat = wants_chat_template(data.use_chat_template, tokenizer)
+        lengths = prompt_lengths(data, rows, tokenizer)
     except ConfigError as error:
         return [str(error)]
-    texts = [format_prompt(tokenizer, str(row[data.prompt_field]), data.system_prompt, chat) for row in rows]
-    lengths = [len(ids) for ids in tokenizer(texts, add_special_tokens=not chat, verbose=False)["input_ids"]]
     too_long = [number for number, length in enumerate(lengths, start=1) if length + max_new_tokens > context]
     if not too_long:
         return []
@@ -218,6 +216,13 @@ def _length_problems(data: DataConfig, key: str, path: str, rows: list[dict[str,
         f"positions, more than the model's context of {context} (max_position_embeddings). Shorten "
         "or drop those prompts, or lower sampler.max_new_tokens."
     ]
+
+
+def prompt_lengths(data: DataConfig, rows: list[dict[str, Any]], tokenizer) -> list[int]:
+    """Each row's prompt in tokens, formatted as PromptSource formats it."""
+    chat = wants_chat_template(data.use_chat_template, tokenizer)
+    texts = [format_prompt(tokenizer, str(row[data.prompt_field]), data.system_prompt, chat) for row in rows]
+    return [len(ids) for ids in tokenizer(texts, add_special_tokens=not chat, verbose=False)["input_ids"]]
 
 
 def format_prompt(tokenizer, text: str, system_prompt: str | None, use_chat_template: bool) -> str:
