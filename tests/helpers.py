@@ -10,6 +10,13 @@ from pathlib import Path
 SCRIPTS_DIR = Path(sys.executable).parent
 GRPO_TRAIN = str(SCRIPTS_DIR / "grpo-train")
 TESTS_DIR = str(Path(__file__).resolve().parent)  # on PYTHONPATH: `_target_: test_module.function`
+MEASURED_KEYS = ("time/", "tokens_per_second", "memory/")  # timed or measured, not computed
+
+
+def computed_rows(rows: list[dict], leave_out: tuple[str, ...] = ()) -> list[dict]:
+    """metrics.jsonl rows without the measured keys (and those starting with `leave_out`): what
+    two runs of the same seed must agree on exactly."""
+    return [{k: v for k, v in row.items() if not k.startswith((*MEASURED_KEYS, *leave_out))} for row in rows]
 
 
 def run_script(program: str, *overrides: str, cwd: Path | None = None, check: bool = True,

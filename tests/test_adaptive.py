@@ -6,9 +6,10 @@ from __future__ import annotations
 import pytest
 
 from grpo_cli.adaptive import AdaptiveGroupState, next_group_size
-from grpo_cli.config import AdaptiveGroupConfig, ConfigError, validate
+from grpo_cli.config import AdaptiveGroupConfig, ConfigError
 from grpo_cli.logs import SAMPLES_FILE, read_metrics
 from grpo_cli.pipeline import run
+from grpo_cli.validation import validate
 from helpers import config
 
 RULE = AdaptiveGroupConfig(enabled=True, patience=2, duration=2, factor=2, max_group_size=8, zero_std_fraction=0.9)

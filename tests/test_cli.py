@@ -15,16 +15,11 @@ import torch
 from omegaconf import OmegaConf
 
 from grpo_cli.logs import read_metrics
-from helpers import TESTS_DIR, grpo_train
+from helpers import TESTS_DIR, computed_rows, grpo_train
 
 # Small and quick: 4 prompts x G=4, 6 eval prompts.
 QUICK = ["data.prompts_per_step=4", "sampler.group_size=4", "data.eval_size=6", "trainer.log_every=1"]
-TIMING_KEYS = ("time/", "tokens_per_second", "memory/")  # measured, not computed
 GRPO_REPORT = str(Path(sys.executable).parent / "grpo-report")
-
-
-def comparable(row: dict) -> dict:
-    return {k: v for k, v in row.items() if not k.startswith(TIMING_KEYS)}
 
 
 @pytest.fixture(scope="module")
@@ -87,7 +82,7 @@ def test_resume_continues_step_counter_optimizer_and_metrics_exactly(three_step_
     unbroken = tmp_path / "unbroken"
     grpo_train(*QUICK, "trainer.steps=5", "trainer.checkpoint_every=0", f"hydra.run.dir={unbroken}")
     expected = read_metrics(unbroken)
-    assert [comparable(r) for r in rows[4:]] == [comparable(r) for r in expected[4:]]
+    assert computed_rows(rows[4:]) == computed_rows(expected[4:])
 
 
 def test_resume_from_a_given_checkpoint_folder(three_step_run, tmp_path):

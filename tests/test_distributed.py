@@ -17,11 +17,12 @@ from omegaconf import OmegaConf
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
-from grpo_cli.config import ConfigError, validate
+from grpo_cli.config import ConfigError
 from grpo_cli.distributed import (Distributed, launched_world_size, local_share, reduce_metrics, reduction_of,
                                   sampling_seed)
 from grpo_cli.logs import read_metrics
-from helpers import TESTS_DIR, config, grpo_train, input_error
+from grpo_cli.validation import validate
+from helpers import TESTS_DIR, computed_rows, config, grpo_train, input_error
 
 TORCHRUN = str(Path(sys.executable).parent / "torchrun")
 
@@ -131,13 +132,10 @@ def test_fsdp_refuses_what_needs_ranks_to_differ(tiny_model_dir):
     assert "trainer.guard.enabled=true with trainer.distributed=fsdp" in str(error.value)
 
 
-MEASURED = ("time/", "tokens_per_second", "memory/")
-
-
 def comparable(rows: list[dict]) -> list[dict]:
     """Training rows without what is timed, and without eval (the stopped run also evaluated at
     its last step, 2)."""
-    return [{k: v for k, v in row.items() if not k.startswith((*MEASURED, "eval/"))} for row in rows if row["step"]]
+    return computed_rows([row for row in rows if row["step"]], leave_out=("eval/",))
 
 
 @pytest.mark.slow

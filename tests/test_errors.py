@@ -18,7 +18,8 @@ from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
 from grpo_cli.cli import config_dir
-from grpo_cli.config import ConfigError, validate
+from grpo_cli.config import ConfigError
+from grpo_cli.validation import validate
 from helpers import TESTS_DIR, grpo_train, input_error
 
 SMALL = ["data.prompts_per_step=2", "sampler.group_size=2", "data.eval_size=0", "trainer.steps=1"]

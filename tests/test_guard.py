@@ -13,7 +13,7 @@ from grpo_cli.config import GuardConfig
 from grpo_cli.guard import GuardState, GuardStop, roll_back, trigger
 from grpo_cli.logs import read_metrics
 from grpo_cli.pipeline import run
-from helpers import config
+from helpers import computed_rows, config
 
 FINE = {"loss": 0.1, "grad_norm": 1.0, "kl": 0.01, "skipped_updates": 0}
 
@@ -111,10 +111,6 @@ def test_resume_restores_the_guard_state_exactly(tmp_path, tiny_model_dir):
     run(guarded(tmp_path / "resumed", 3))
     run(guarded(tmp_path / "resumed", 6, "trainer.resume=true"))
 
-    def comparable(folder):
-        measured = ("time/", "tokens_per_second", "memory/")
-        return [{k: v for k, v in row.items() if not k.startswith(measured)} for row in read_metrics(folder)]
-
-    resumed, unbroken = comparable(tmp_path / "resumed"), comparable(tmp_path / "unbroken")
+    resumed, unbroken = (computed_rows(read_metrics(tmp_path / name)) for name in ("resumed", "unbroken"))
     assert [row["guard/rollbacks"] for row in unbroken] == [0, 1, 2, 3, 4, 5]
     assert resumed == unbroken

@@ -11,10 +11,11 @@ from pathlib import Path
 import pytest
 from rich.console import Console
 
-from grpo_cli.config import ConfigError, validate
+from grpo_cli.config import ConfigError
 from grpo_cli.console import status_lines, status_panel
 from grpo_cli.logs import SAMPLES_FILE, read_metrics
 from grpo_cli.pipeline import run
+from grpo_cli.validation import validate
 from helpers import config
 
 FAKE_PACKAGES = str(Path(__file__).resolve().parent / "fake_packages")

@@ -116,3 +116,35 @@ def test_an_architecture_block_needs_a_known_model_type():
         architecture_from_block({"model_type": "???", **shape}, "org/model")
     qwen2, llama = (architecture_from_block({"model_type": kind, **shape}, "org/model") for kind in ("qwen2", "llama"))
     assert qwen2.qkv_bias and not llama.qkv_bias  # transformers' defaults of each type
+
+
+def load_script(name: str):
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "scripts" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_gpu_memory_bench_builds_a_preset_shaped_model_the_plan_counts_exactly(tmp_path, tiny_model_dir):
+    # scripts/bench_memory.py runs on a GPU only when a session has one: its model builder and
+    # its CPU path are checked here, so the GPU run does not fail on a rotted script.
+    from omegaconf import OmegaConf
+
+    from grpo_cli.architecture import model_weights, parameter_count
+    from grpo_cli.models import load_models
+
+    bench = load_script("bench_memory")
+    block = OmegaConf.create({"model_type": "llama", "hidden_size": 64, "intermediate_size": 96,
+                              "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+                              "vocab_size": 300, "tie_word_embeddings": False, "head_dim": None})
+    folder = bench.build_random_model(block, tmp_path / "llama-shaped", torch.float32, "cpu")
+    model = load_models(config(tiny_model_dir, f"model.name_or_path={folder}").model, 0.0, torch.device("cpu")).policy
+    planned = parameter_count(model_weights(architecture_of(config(tiny_model_dir, f"model.name_or_path={folder}").model)))
+    assert planned == sum(p.numel() for p in model.parameters())
+    rows = bench.run_case("tiny", "cpu", 1, tmp_path)
+    assert [(case, phase) for case, phase, _, _ in rows] == [("tiny", "sampling"), ("tiny", "update")]
+    assert all(planned_gb > 0 and measured is None for _, _, planned_gb, measured in rows)

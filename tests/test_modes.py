@@ -15,7 +15,7 @@ import torch
 from safetensors.torch import load_file
 
 from grpo_cli.advantages import group_advantages
-from grpo_cli.config import ConfigError, beta_schedule, validate
+from grpo_cli.config import ConfigError, beta_schedule
 from grpo_cli.logs import read_metrics
 from grpo_cli.losses import beta_at
 from grpo_cli.models import load_models, trainable_parameters
@@ -24,6 +24,7 @@ from grpo_cli.pipeline import run
 from grpo_cli.prompts import PromptSource
 from grpo_cli.sampling import make_sampler
 from grpo_cli.update import update_policy
+from grpo_cli.validation import validate
 from helpers import config
 
 pytest.importorskip("bitsandbytes")

@@ -28,7 +28,7 @@ from grpo_cli.checkpoint import (
     save_checkpoint,
 )
 from grpo_cli.logs import read_metrics
-from helpers import GRPO_TRAIN, grpo_train
+from helpers import GRPO_TRAIN, computed_rows, grpo_train
 
 QUICK = ["data.prompts_per_step=2", "sampler.group_size=2", "data.eval_size=0", "trainer.log_every=1"]
 
@@ -200,11 +200,7 @@ def test_a_stop_signal_checkpoints_the_step_and_resume_matches_an_unbroken_run(t
     grpo_train(*QUICK, f"trainer.steps={steps}", "trainer.checkpoint_every=0", "trainer.resume=true",
                f"hydra.run.dir={run_dir}")
 
-    def comparable(rows):
-        measured = ("time/", "tokens_per_second", "memory/")
-        return [{k: v for k, v in row.items() if not k.startswith(measured)} for row in rows]
-
-    assert comparable(read_metrics(run_dir)) == comparable(read_metrics(unbroken))
+    assert computed_rows(read_metrics(run_dir)) == computed_rows(read_metrics(unbroken))
 
 
 @pytest.mark.slow

@@ -23,6 +23,7 @@ every function here is the identity and calls no collective.
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass
 from typing import Any
@@ -137,6 +138,18 @@ def _all_reduce(values: list[float], place: Distributed, operation: str) -> list
     return tensor.cpu().tolist()
 
 
+def _gathered(values: list[float], place: Distributed) -> torch.Tensor:
+    """Every rank's `values`, stacked in rank order: [world_size, len(values)], float64 on CPU."""
+    import torch.distributed as dist
+
+    tensor = torch.tensor(values, dtype=torch.float64)
+    if dist.get_backend() == "nccl":  # NCCL gathers CUDA tensors only
+        tensor = tensor.cuda()
+    ranks = [torch.empty_like(tensor) for _ in range(place.world_size)]
+    dist.all_gather(ranks, tensor)
+    return torch.stack(ranks).cpu()
+
+
 def broadcast_from_main(value: Any, place: Distributed) -> Any:
     """Rank 0's `value` on every rank (any picklable object)."""
     if not place.enabled:
@@ -182,16 +195,17 @@ def reduce_metrics(metrics: dict[str, Any], place: Distributed) -> dict[str, Any
     keys = sorted(key for key, value in metrics.items() if isinstance(value, (int, float)) or value is None)
     present = [0.0 if metrics[key] is None else 1.0 for key in keys]
     values = [0.0 if metrics[key] is None else float(metrics[key]) for key in keys]
-    sums = sum_over_ranks(values + present, place)
-    maxima = max_over_ranks([v if p else -float("inf") for v, p in zip(values, present)], place)
+    ranks = _gathered(values + present, place)  # [world_size, 2 x keys]: one collective per step
+    values, present = ranks[:, : len(keys)], ranks[:, len(keys) :].bool()
+    sums, counts = values.sum(dim=0).tolist(), present.sum(dim=0).tolist()
+    maxima = values.masked_fill(~present, -math.inf).max(dim=0).values.tolist()
     reduced = dict(metrics)
     for index, key in enumerate(keys):
-        count = sums[len(keys) + index]
-        if count == 0:
+        if counts[index] == 0:
             reduced[key] = None
             continue
         how = reduction_of(key)
-        value = maxima[index] if how == "max" else sums[index] if how == "sum" else sums[index] / count
+        value = maxima[index] if how == "max" else sums[index] if how == "sum" else sums[index] / counts[index]
         reduced[key] = int(value) if isinstance(metrics[key], int) and not isinstance(metrics[key], bool) else value
     return reduced
 

@@ -167,8 +167,3 @@ class QuietLogger:
         pass
 
 
-def window_mean(history: list[dict[str, Any]], key: str, first: bool, size: int) -> float | None:
-    """Mean of `key` over the first or last `size` rows that have it."""
-    values = [row[key] for row in history if key in row]
-    values = values[:size] if first else values[-size:]
-    return sum(values) / len(values) if values else None

@@ -125,7 +125,7 @@ def print_plan(cfg: Any) -> None:
     budget = memory_budget(cfg.trainer, device)
     print(format_plan(plan, budget.bytes if budget else None), flush=True)
     if budget is None:
-        print(f"No budget: this machine has no GPU; set trainer.memory_budget_gb=N to check the plan "
+        print("No budget: this machine has no GPU; set trainer.memory_budget_gb=N to check the plan "
               "against a card's memory.", flush=True)
     elif plan.peak_bytes > budget.bytes:
         print(not_fitting_message(cfg, plan, budget, "a run would stop before loading"), flush=True)

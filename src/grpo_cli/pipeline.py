@@ -20,7 +20,7 @@ from omegaconf import OmegaConf
 from grpo_cli.adaptive import AdaptiveGroupState, next_group_size
 from grpo_cli.advantages import group_advantages
 from grpo_cli.checkpoint import latest_checkpoint, load_trainer_state, save_checkpoint, set_rng_state
-from grpo_cli.config import ConfigError, beta_schedule, boosted_group_size, resume_mode, validate
+from grpo_cli.config import ConfigError, beta_schedule, boosted_group_size, resume_mode
 from grpo_cli.console import sample_entries
 from grpo_cli.distributed import (SINGLE, Distributed, barrier, broadcast_from_main, full_states, is_sharded,
                                   join_process_group, leave_process_group, load_optimizer_state, max_over_ranks,
@@ -28,7 +28,7 @@ from grpo_cli.distributed import (SINGLE, Distributed, barrier, broadcast_from_m
 from grpo_cli.dynamic import fill_informative_groups
 from grpo_cli.evaluation import evaluate
 from grpo_cli.guard import GuardState, roll_back, trigger
-from grpo_cli.logs import QuietLogger, RunLogger, resident_memory_gb, window_mean
+from grpo_cli.logs import QuietLogger, RunLogger, resident_memory_gb
 from grpo_cli.losses import BetaSchedule, beta_at
 from grpo_cli.memory_check import check_memory, print_plan
 from grpo_cli.models import Models, load_models, resolve_device, trainable_parameters
@@ -36,10 +36,11 @@ from grpo_cli.optim import make_optimizer, make_scheduler
 from grpo_cli.prompts import PromptSource, train_and_eval_rows
 from grpo_cli.records import Advantages, Rewards, Rollout, UpdateStats
 from grpo_cli.rewards.api import RewardScorer
-from grpo_cli.run_summary import summary_window
+from grpo_cli.run_summary import summarize_run
 from grpo_cli.sampling import make_sampler
 from grpo_cli.stopping import StopRequests
 from grpo_cli.update import update_policy
+from grpo_cli.validation import validate
 
 @dataclass
 class RunResult:
@@ -98,16 +99,10 @@ def train(cfg: Any, place: Distributed) -> RunResult:
     scorer = RewardScorer.from_config(cfg.reward, trainer.std_eps)  # imports each _target_: fails before loading
     seed_everything(trainer.seed)
     device = resolve_device(rank_device(trainer.device, place))
-    betas = beta_schedule(trainer.beta)
     train_rows, eval_rows = train_and_eval_rows(cfg.data)
     check_memory(cfg, device, train_rows + eval_rows, output_dir, place)  # stops here if it will not fit
-    models = load_models(cfg.model, betas.peak, device, checkpoint=str(resume_from) if resume_from else None)
-    models = wrap_for_training(models, place)
-    prompts = PromptSource(cfg.data, models.tokenizer, train_rows, place)
-    optimizer = make_optimizer(cfg.optimizer, trainable_parameters(models.policy))
-    sampler = make_sampler(cfg.sampler, models.tokenizer, synced=is_sharded(place))
-    parts = RunParts(cfg, models, sampler, scorer, prompts, optimizer,
-                     make_scheduler(cfg.optimizer, optimizer, trainer.steps * trainer.num_iterations), betas, place)
+    parts = load_parts(cfg, scorer, train_rows, device, place, resume_from)
+    models, prompts, optimizer = parts.models, parts.prompts, parts.optimizer
     start_step, guard_state, state = 0, GuardState(), {}
     if resume_from is not None:
         state = load_trainer_state(resume_from)
@@ -205,6 +200,20 @@ def train(cfg: Any, place: Distributed) -> RunResult:
     summarize(log, step - start_step, time.perf_counter() - started, eval_before, eval_after,
               last_checkpoint, output_dir)
     return RunResult(output_dir, step, eval_before, eval_after, last_checkpoint)
+
+
+def load_parts(cfg: Any, scorer: RewardScorer, train_rows: list[dict[str, Any]], device: torch.device,
+               place: Distributed = SINGLE, resume_from: Optional[Path] = None) -> RunParts:
+    """Models (the policy from `resume_from` when given), prompts, optimizer, scheduler and
+    sampler: what `train_step` works with (scripts/bench_step.py builds them the same way)."""
+    betas = beta_schedule(cfg.trainer.beta)
+    models = load_models(cfg.model, betas.peak, device, checkpoint=str(resume_from) if resume_from else None)
+    models = wrap_for_training(models, place)
+    prompts = PromptSource(cfg.data, models.tokenizer, train_rows, place)
+    optimizer = make_optimizer(cfg.optimizer, trainable_parameters(models.policy))
+    scheduler = make_scheduler(cfg.optimizer, optimizer, cfg.trainer.steps * cfg.trainer.num_iterations)
+    sampler = make_sampler(cfg.sampler, models.tokenizer, synced=is_sharded(place))
+    return RunParts(cfg, models, sampler, scorer, prompts, optimizer, scheduler, betas, place)
 
 
 def train_step(parts: RunParts, step: int, group_size: int, beta_scale: float) -> StepResult:
@@ -334,9 +343,8 @@ def step_metrics(rollout: Rollout, rewards: Rewards, advantages: Advantages, sta
 
 def summarize(log: RunLogger, steps: int, seconds: float, eval_before: Optional[float],
               eval_after: Optional[float], last_checkpoint: Optional[Path], output_dir: Path) -> None:
-    window = summary_window(sum("reward/mean" in row for row in log.history))  # the rule grpo-report uses
-    first = window_mean(log.history, "reward/mean", first=True, size=window)
-    last = window_mean(log.history, "reward/mean", first=False, size=window)
+    summary = summarize_run(log.history)  # the numbers grpo-report gives
+    first, last, window = summary.reward_first, summary.reward_last, summary.window
     rows = {
         "steps this run": str(steps),
         "time": f"{seconds:.1f} s ({seconds / max(steps, 1):.2f} s/step)",
