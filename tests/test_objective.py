@@ -293,6 +293,20 @@ def test_the_loss_adds_beta_times_the_chosen_estimator(estimator, value):
     assert metrics["kl_sum"].item() == pytest.approx(value, abs=1e-6)
 
 
+def test_kl_importance_correction_weighs_the_kl_by_the_ratio():
+    # A = 0 leaves beta * rho * k3. logp = log 0.5, old = log 0.4, ref = log 0.3:
+    # rho = 1.25; k3 = 0.6 - log 0.6 - 1 = 0.110826; loss = 0.1 x 1.25 x 0.110826 = 0.0138532.
+    # d/dlogp (rho k3) = rho k3 + rho (1 - e^(ref - logp)) = 0.138532 + 1.25 x 0.4 = 0.638532, x 0.1.
+    logp = torch.tensor([[math.log(0.5)]], dtype=F64, requires_grad=True)
+    old, ref = torch.tensor([[math.log(0.4)]], dtype=F64), torch.tensor([[math.log(0.3)]], dtype=F64)
+    settings = LossSettings(0.2, 0.2, beta=0.1, kl_importance_correction=True)
+    loss, metrics = grpo_loss(logp, old, ref, torch.zeros(1, dtype=F64), torch.ones(1, 1), settings, StepSize(1, 1, 1))
+    loss.backward()
+    assert loss.item() == pytest.approx(0.1 * 1.25 * 0.110826, abs=1e-7)
+    assert logp.grad.item() == pytest.approx(0.1 * 0.638532, abs=1e-7)
+    assert metrics["kl_sum"].item() == pytest.approx(0.110826, abs=1e-6)  # the logged KL: the plain estimate
+
+
 def test_kl_estimator_gradients_by_hand():
     # logp = log 0.5, ref = log 0.25.
     # k1 = logp - ref:                   d/dlogp = 1

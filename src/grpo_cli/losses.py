@@ -23,6 +23,9 @@ Departures from the paper, none of which change the formula:
   pi_old and the reference alike (as TRL and verl do), so the tokens are samples of the pi
   in the formula and the ratio and the KL compare like with like.
 - Positions outside the loss mask compare the policy with itself (ratio 1, KL 0).
+Optional, off by default: `kl_importance_correction` multiplies each token's KL by rho_it
+(DeepSeek-V3.2; TRL's use_bias_correction_kl, on by default there), which the paper's formula
+does not have. The logged `kl` stays the plain estimate.
 """
 
 from __future__ import annotations
@@ -209,6 +212,7 @@ class LossSettings:
     beta: float  # KL coefficient in force this step
     kl_estimator: str = "k3"
     aggregation: str = "sequence_mean"
+    kl_importance_correction: bool = False  # KL_it x rho_it (DeepSeek-V3.2; TRL's use_bias_correction_kl)
 
 
 def grpo_loss(
@@ -240,7 +244,10 @@ def grpo_loss(
     if ref_log_probs is not None:
         kl = kl_estimate(log_probs, torch.where(tokens, ref_log_probs, detached), settings.kl_estimator)
         if settings.beta > 0:
-            per_token = per_token + settings.beta * kl
+            # The correction weighs each token's KL by rho: the tokens were drawn from pi_old,
+            # so this makes the estimate unbiased for pi_theta's KL when the two differ.
+            penalty = kl * ratio if settings.kl_importance_correction else kl
+            per_token = per_token + settings.beta * penalty
     loss = aggregate(per_token, mask, settings.aggregation, step)
 
     with torch.no_grad():

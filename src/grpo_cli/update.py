@@ -89,6 +89,7 @@ def update_policy(
         beta=beta,
         kl_estimator=trainer.kl_estimator,
         aggregation=trainer.loss_aggregation,
+        kl_importance_correction=trainer.kl_importance_correction,
     )
     # The sampler pads every completion to max_new_tokens, so T is Dr. GRPO's constant. The counts
     # are the whole step's, over all ranks: each rank's loss is then its share of the step's loss.

@@ -2,8 +2,8 @@
 
 `make_sampler(cfg.sampler, tokenizer)` returns an object with
 `sample(policy, batch, group_size=None) -> Rollout`
-and `greedy(policy, batch) -> list[str]`. Today that is `HFSampler` (transformers' `generate`);
-a faster KV-cache sampler can slot in behind the same two methods.
+and `greedy(policy, batch) -> list[str]`: `HFSampler` (sampler.backend=hf, transformers'
+`generate`) or `FastSampler` (sampler.backend=fast, our decode loop, the same distribution).
 """
 
 from __future__ import annotations
@@ -32,6 +32,10 @@ def completion_mask(completion_ids: torch.Tensor, eos_token_id: int) -> tuple[to
 
 def make_sampler(cfg: SamplerConfig, tokenizer, synced: bool = False):
     """`synced`: keep every rank generating until all have finished (FSDP, distributed.py)."""
+    if str(cfg.backend).lower() == "fast":
+        from grpo_cli.sampling.fast import FastSampler
+
+        return FastSampler(cfg, tokenizer, synced)
     from grpo_cli.sampling.hf import HFSampler
 
     return HFSampler(cfg, tokenizer, synced)

@@ -1,0 +1,338 @@
+"""One GRPO step of grpo-cli against one of TRL's GRPOTrainer, side by side, on the same local
+model, prompts and settings; and our sampler against transformers' generate.
+
+    pip install -e '.[bench]'          # TRL >= 1.16
+    python scripts/bench_step.py                       # both sizes, float32, 8 timed steps each
+
+Settings (issue 9): 8 prompts x G = 8, 64 new tokens with min_new_tokens = 64 (every completion
+the same length), beta = 0.04 (a reference pass), num_iterations = 1, one optimizer step per
+generation batch, float32, CPU, temperature 1, lr 1e-5, max_grad_norm 1. TRL: loss_type grpo
+(= our sequence_mean), use_bias_correction_kl=False (TRL's default multiplies the KL by the
+ratio; the paper does not), scale_rewards=group. Both sides train a full fine-tune with a
+frozen reference copy.
+
+Each side runs in its own process (so each has its own peak RSS), both alive at once; after a
+warm-up step each, the parent has them take turns: ours, TRL, ours, TRL, ... Reported: the
+median seconds per step, the ratio ours / TRL, generation tokens per second (completion tokens
+over the seconds spent generating) and the peak RSS of each process. Then the sampler alone:
+`sampler=fast` against `sampler=hf` (model.generate) on the same batch.
+
+The models are built here, nothing is downloaded (cached in $GRPO_CLI_CACHE/bench-*):
+`tiny` (Qwen2, hidden 256, 4 layers) and `small` (hidden 512, 8 layers), with a byte-level BPE
+of about 300 tokens trained on the prompts, randomly initialised.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing
+import os
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+SCRIPTS = Path(__file__).resolve().parent
+BENCH_SIZES = {  # name -> Qwen2 shape
+    "tiny": dict(hidden_size=256, intermediate_size=576, num_hidden_layers=4, num_attention_heads=4,
+                 num_key_value_heads=2),
+    "small": dict(hidden_size=512, intermediate_size=1152, num_hidden_layers=8, num_attention_heads=8,
+                  num_key_value_heads=4),
+}
+PROMPTS, GROUP, NEW_TOKENS, BETA, LR = 8, 8, 64, 0.04, 1e-5
+BUILD_VERSION = 1
+
+
+def bench_model(size: str) -> Path:
+    """The folder of a bench model (built on first use)."""
+    import torch
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from grpo_cli.tasks import addition_rows
+    from grpo_cli.tiny import cache_root, train_tokenizer
+
+    folder = cache_root() / f"bench-{size}-v{BUILD_VERSION}"
+    if (folder / "config.json").is_file():
+        return folder
+    rows = addition_rows()
+    tokenizer = train_tokenizer([row["prompt"] + " " + row["answer"] for row in rows], vocab_size=300)
+    tokenizer.model_max_length = 512
+    torch.manual_seed(0)
+    config = Qwen2Config(vocab_size=len(tokenizer), max_position_embeddings=512, tie_word_embeddings=True,
+                         eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+                         bos_token_id=None, **BENCH_SIZES[size])
+    model = Qwen2ForCausalLM(config)
+    staging = folder.with_name(folder.name + f".tmp{os.getpid()}")
+    model.save_pretrained(staging)
+    tokenizer.save_pretrained(staging)
+    staging.rename(folder)
+    return folder
+
+
+def prompt_rows() -> list[dict[str, str]]:
+    from grpo_cli.tasks import addition_rows
+
+    return addition_rows()[: PROMPTS * 4]
+
+
+def exact_answer(completions: list[str], answers: list[str]) -> list[float]:
+    """The same cheap reward on both sides: 1 when the completion starts with the answer."""
+    return [float(text.strip().startswith(str(answer))) for text, answer in zip(completions, answers)]
+
+
+def peak_rss_bytes() -> int:
+    return next(int(line.split()[1]) * 1024 for line in open("/proc/self/status") if line.startswith("VmHWM"))
+
+
+# ---------------------------------------------------------------------------- our side
+
+
+def our_config(model_dir: Path, sampler: str):
+    from omegaconf import OmegaConf
+
+    from grpo_cli.config import Config
+
+    cfg = OmegaConf.structured(Config)
+    cfg.merge_with_dotlist([
+        f"model.name_or_path={model_dir}", "model.dtype=float32", "data.path=synthetic:addition",
+        f"data.prompts_per_step={PROMPTS}", f"sampler.group_size={GROUP}", f"sampler.max_new_tokens={NEW_TOKENS}",
+        f"sampler.min_new_tokens={NEW_TOKENS}", f"sampler.backend={sampler}", "sampler.temperature=1.0",
+        f"trainer.beta={BETA}", "trainer.num_iterations=1", "trainer.micro_batch_size=0", "trainer.device=cpu",
+        "trainer.loss_aggregation=sequence_mean", f"optimizer.lr={LR}", "optimizer.max_grad_norm=1.0",
+        "optimizer.weight_decay=0.0", "optimizer.warmup_steps=0", "trainer.steps=1000",
+    ])
+    cfg.reward.functions = [{"_target_": "bench_step.our_reward", "weight": 1.0}]
+    return cfg
+
+
+def our_reward(prompts, completions, answer, **_):
+    return exact_answer(completions, answer)
+
+
+class OurSide:
+    def __init__(self, model_dir: Path, sampler: str):
+        import torch
+
+        from grpo_cli.distributed import SINGLE
+        from grpo_cli.pipeline import load_parts
+        from grpo_cli.rewards.api import RewardScorer
+
+        torch.manual_seed(0)
+        cfg = our_config(model_dir, sampler)
+        rows = prompt_rows()
+        self.parts = load_parts(cfg, RewardScorer.from_config(cfg.reward, cfg.trainer.std_eps), rows,
+                                torch.device("cpu"), SINGLE)
+        self.step_number = 0
+
+    def step(self) -> dict[str, float]:
+        from grpo_cli.pipeline import train_step
+
+        self.step_number += 1
+        started = time.perf_counter()
+        result = train_step(self.parts, self.step_number, GROUP, 1.0)
+        seconds = time.perf_counter() - started
+        metrics = result.metrics
+        return {"seconds": seconds, "generate_seconds": metrics["time/sample"],
+                "tokens": float(result.rollout.completion_mask.sum()), "loss": metrics["loss"]}
+
+
+# ---------------------------------------------------------------------------- TRL's side
+
+
+class TrlSide:
+    """TRL's trainer.train() runs in a thread of this process; a callback holds each optimizer
+    step at its start until the parent asks for it, and reports its time at its end."""
+
+    def __init__(self, model_dir: Path, bf16: bool, work: Path):
+        import queue
+        import threading
+
+        import torch
+        from transformers import TrainerCallback
+
+        sys.path.insert(0, str(SCRIPTS))
+        from trl_baseline import make_trl_trainer
+
+        torch.manual_seed(0)
+        rows = prompt_rows()
+        answers = {row["prompt"]: row["answer"] for row in rows}
+
+        def reward(prompts, completions, **_):
+            return exact_answer(completions, [answers[prompt] for prompt in prompts])
+
+        self.trainer = make_trl_trainer(str(model_dir), [row["prompt"] for row in rows], reward, group_size=GROUP,
+                                        prompts_per_step=PROMPTS, max_new_tokens=NEW_TOKENS, beta=BETA,
+                                        loss_type="grpo", learning_rate=LR, max_grad_norm=1.0, bf16=bf16,
+                                        output_dir=str(work))
+        self.trainer.args.max_steps = 1000
+        self.trainer.args.logging_steps = 10**6  # TRL prints its metrics at each logging step
+        self.go, self.done = queue.Queue(), queue.Queue()
+        self.generate_seconds = 0.0
+        model = self.trainer.model
+        generate = model.generate
+
+        def timed_generate(*args, **kwargs):
+            started = time.perf_counter()
+            output = generate(*args, **kwargs)
+            self.generate_seconds += time.perf_counter() - started
+            return output
+
+        model.generate = timed_generate
+        side = self
+
+        class Turns(TrainerCallback):
+            def on_step_begin(self, args, state, control, **kwargs):
+                side.go.get()  # wait for the parent's turn
+                side.started, side.generate_seconds = time.perf_counter(), 0.0
+
+            def on_step_end(self, args, state, control, **kwargs):
+                side.done.put({"seconds": time.perf_counter() - side.started,
+                               "generate_seconds": side.generate_seconds,
+                               "tokens": float(PROMPTS * GROUP * NEW_TOKENS),
+                               "loss": float("nan")})
+
+        self.trainer.add_callback(Turns())
+        self.thread = threading.Thread(target=self.trainer.train, daemon=True)
+        self.thread.start()
+
+    def step(self) -> dict[str, float]:
+        self.go.put("step")
+        return self.done.get()
+
+
+# ---------------------------------------------------------------------------- workers
+
+
+def worker(side: str, size: str, sampler: str, bf16: bool, work: str, pipe) -> None:
+    """Build one side, then answer the parent: "step" -> that step's numbers, "peak" -> peak RSS."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    sys.path.insert(0, str(SCRIPTS))
+    from transformers.utils import logging as transformers_logging
+
+    transformers_logging.disable_progress_bar()
+    transformers_logging.set_verbosity_error()
+    model_dir = bench_model(size)
+    runner = OurSide(model_dir, sampler) if side == "ours" else TrlSide(model_dir, bf16, Path(work))
+    pipe.send("ready")
+    while True:
+        command = pipe.recv()
+        if command == "step":
+            pipe.send(runner.step())
+        elif command == "peak":
+            pipe.send(peak_rss_bytes())
+        else:
+            return
+
+
+def compare_steps(size: str, steps: int, warmup: int, sampler: str, bf16: bool, work: Path) -> dict[str, Any]:
+    context = multiprocessing.get_context("spawn")
+    sides = {}
+    for side in ("ours", "trl"):
+        parent, child = context.Pipe()
+        process = context.Process(target=worker, args=(side, size, sampler, bf16, str(work / side), child))
+        process.start()
+        sides[side] = (process, parent)
+    for process, pipe in sides.values():
+        assert pipe.recv() == "ready"
+    results: dict[str, list[dict[str, float]]] = {"ours": [], "trl": []}
+    for turn in range(warmup + steps):
+        for side, (_, pipe) in sides.items():  # ours, then TRL: alternating
+            pipe.send("step")
+            numbers = pipe.recv()
+            if turn >= warmup:
+                results[side].append(numbers)
+    summary: dict[str, Any] = {"size": size, "steps": steps}
+    for side, (process, pipe) in sides.items():
+        pipe.send("peak")
+        peak = pipe.recv()
+        pipe.send("exit")
+        process.join(timeout=60)
+        if process.is_alive():
+            process.kill()
+        rows = results[side]
+        generate = sum(r["generate_seconds"] for r in rows)
+        summary[side] = {
+            "median_seconds": statistics.median(r["seconds"] for r in rows),
+            "median_generate_seconds": statistics.median(r["generate_seconds"] for r in rows),
+            "generate_tokens_per_second": sum(r["tokens"] for r in rows) / generate if generate else None,
+            "peak_rss_gb": peak / 1e9,
+        }
+    summary["ratio"] = summary["ours"]["median_seconds"] / summary["trl"]["median_seconds"]
+    return summary
+
+
+def compare_samplers(size: str, repeats: int) -> dict[str, float]:
+    """Median seconds of sampler=fast and sampler=hf (model.generate) on the same batch."""
+    import torch
+
+    from grpo_cli.models import load_models
+    from grpo_cli.prompts import PromptSource
+    from grpo_cli.sampling import make_sampler
+
+    medians = {}
+    cfg = our_config(bench_model(size), "hf")
+    models = load_models(cfg.model, 0.0, torch.device("cpu"))
+    batch = PromptSource(cfg.data, models.tokenizer, prompt_rows()).next_batch()
+    for backend in ("fast", "hf", "fast", "hf"):  # the first of each is a warm-up
+        cfg.sampler.backend = backend
+        sampler = make_sampler(cfg.sampler, models.tokenizer)
+        times = []
+        for _ in range(repeats):
+            started = time.perf_counter()
+            sampler.sample(models.policy, batch)
+            times.append(time.perf_counter() - started)
+        medians[backend] = statistics.median(times)
+    tokens = PROMPTS * GROUP * NEW_TOKENS
+    return {"fast_tokens_per_second": tokens / medians["fast"], "hf_tokens_per_second": tokens / medians["hf"],
+            "speedup": medians["hf"] / medians["fast"]}
+
+
+def machine() -> str:
+    import torch
+    import transformers
+    import trl
+
+    cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")),
+               platform.processor())
+    return (f"{cpu}, {os.cpu_count()} cores visible, torch {torch.__version__} ({torch.get_num_threads()} threads), "
+            f"transformers {transformers.__version__}, trl {trl.__version__}, Python {platform.python_version()}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--size", action="append", choices=sorted(BENCH_SIZES), help="repeatable; default both")
+    parser.add_argument("--steps", type=int, default=8, help="timed steps per side, after the warm-up")
+    parser.add_argument("--warmup", type=int, default=1)
+    parser.add_argument("--sampler", default="fast", choices=("fast", "hf"), help="our sampler backend")
+    parser.add_argument("--json", type=Path, help="also write the results here")
+    args = parser.parse_args()
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    sys.path.insert(0, str(SCRIPTS))
+    import tempfile
+
+    print(f"# {' '.join(sys.argv)}\n# {machine()}")
+    results = []
+    for size in args.size or ["tiny", "small"]:
+        bench_model(size)  # built once, before the workers start
+        with tempfile.TemporaryDirectory() as work:
+            steps = compare_steps(size, args.steps, args.warmup, args.sampler, False, Path(work))
+        steps["sampler"] = compare_samplers(size, repeats=3)
+        results.append(steps)
+        ours, trl = steps["ours"], steps["trl"]
+        print(f"{size}: ours {ours['median_seconds']:.3f} s/step (generate {ours['median_generate_seconds']:.3f} s, "
+              f"{ours['generate_tokens_per_second']:.0f} tok/s, peak RSS {ours['peak_rss_gb']:.2f} GB) | "
+              f"TRL {trl['median_seconds']:.3f} s/step (generate {trl['median_generate_seconds']:.3f} s, "
+              f"{trl['generate_tokens_per_second']:.0f} tok/s, peak RSS {trl['peak_rss_gb']:.2f} GB) | "
+              f"ratio {steps['ratio']:.2f}", flush=True)
+        sampler = steps["sampler"]
+        print(f"{size} sampler: fast {sampler['fast_tokens_per_second']:.0f} tok/s, generate "
+              f"{sampler['hf_tokens_per_second']:.0f} tok/s, {sampler['speedup']:.2f}x", flush=True)
+    if args.json:
+        args.json.write_text(json.dumps(results, indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,159 @@
+"""Group sampling with our own decode loop (`sampler=fast`), drawing from the same distribution
+as transformers' `generate` (`sampler=hf`), with less work per token:
+
+- each prompt is encoded once, and its keys and values are copied to its G completions
+  (generate encodes every prompt G times);
+- the keys and values live in buffers allocated once for the whole completion, written in
+  place (generate's dynamic cache concatenates every layer's cache at every token);
+- the prompt pass computes logits for its last position only;
+- a token is drawn with a few tensor operations: min_new_tokens, temperature, top-k, top-p,
+  as generate's processors do them and in their order, without its per-step machinery;
+- the loop runs under inference mode and stops as soon as every completion has ended.
+
+The pure core is `next_token_scores` (the distribution) and `draw` (one token per row).
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers.cache_utils import DynamicLayer
+
+from grpo_cli.config import SamplerConfig
+from grpo_cli.records import PromptBatch, Rollout
+from grpo_cli.sampling import completion_mask
+
+
+def next_token_scores(logits: torch.Tensor, temperature: float, top_k: int, top_p: float) -> torch.Tensor:
+    """Logits [N, V] -> the scores whose softmax is the sampling distribution, as generate's
+    TemperatureLogitsWarper, TopKLogitsWarper and TopPLogitsWarper make them (in that order):
+    removed tokens get -inf. Example: logits [2, 1, 0], top_k 2 -> [2, 1, -inf]."""
+    scores = logits.float() / temperature
+    if 0 < top_k < scores.shape[-1]:
+        kth_best = torch.topk(scores, top_k, dim=-1).values[..., -1:]
+        scores = scores.masked_fill(scores < kth_best, -torch.inf)
+    if top_p < 1.0:
+        ascending, order = torch.sort(scores, dim=-1)
+        # drop the least likely tokens whose total mass stays within 1 - top_p; keep the best one
+        remove = ascending.softmax(dim=-1).cumsum(dim=-1) <= 1.0 - top_p
+        remove[..., -1] = False
+        scores = scores.masked_fill(remove.scatter(-1, order, remove), -torch.inf)
+    return scores
+
+
+def draw(scores: torch.Tensor, greedy: bool) -> torch.Tensor:
+    """One token id per row of scores [N, V]: the best, or a sample of softmax(scores)."""
+    if greedy:
+        return scores.argmax(dim=-1)
+    return torch.multinomial(scores.softmax(dim=-1), num_samples=1).squeeze(1)
+
+
+class PreallocatedLayer(DynamicLayer):
+    """One layer's keys and values [N, kv_heads, capacity, head_dim], written in place; attention
+    reads the filled part, a view. Made from the prompt pass's layer, each row `copies` times."""
+
+    def __init__(self, prompt_layer: DynamicLayer, copies: int, capacity: int):
+        super().__init__()
+        keys, values = prompt_layer.keys, prompt_layer.values  # [B, kv_heads, P, head_dim]
+        shape = (keys.shape[0] * copies, keys.shape[1], capacity, keys.shape[3])
+        self.key_buffer = keys.new_empty(shape)
+        self.value_buffer = values.new_empty(shape)
+        self.length = keys.shape[2]
+        self.key_buffer[:, :, : self.length] = keys.repeat_interleave(copies, dim=0)
+        self.value_buffer[:, :, : self.length] = values.repeat_interleave(copies, dim=0)
+        self.device, self.is_initialized = keys.device, True
+        self._expose()
+
+    def _expose(self) -> None:
+        self.keys = self.key_buffer[:, :, : self.length]
+        self.values = self.value_buffer[:, :, : self.length]
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        end = self.length + key_states.shape[2]
+        self.key_buffer[:, :, self.length : end] = key_states
+        self.value_buffer[:, :, self.length : end] = value_states
+        self.length = end
+        self._expose()
+        return self.keys, self.values
+
+
+class FastSampler:
+    def __init__(self, cfg: SamplerConfig, tokenizer, synced: bool = False):
+        self.cfg = cfg
+        self.tokenizer = tokenizer
+        # FSDP: every rank runs the same number of forward passes (each gathers weights), so a
+        # rank whose completions have all ended keeps stepping until every rank has.
+        self.synced = synced
+
+    def sample(self, policy, batch: PromptBatch, group_size: int | None = None) -> Rollout:
+        """G completions per prompt; G = sampler.group_size unless given (adaptive group size)."""
+        group = group_size or self.cfg.group_size
+        completion_ids = self.decode(policy, batch.input_ids, batch.attention_mask, group, greedy=False)
+        mask, truncated = completion_mask(completion_ids, self.tokenizer.eos_token_id)
+        return Rollout(
+            prompt_ids=batch.input_ids.repeat_interleave(group, dim=0),  # [B*G, P]
+            prompt_mask=batch.attention_mask.repeat_interleave(group, dim=0),
+            completion_ids=completion_ids,
+            completion_mask=mask,
+            truncated=truncated,
+            prompts=[text for text in batch.texts for _ in range(group)],
+            completions=self.tokenizer.batch_decode(completion_ids, skip_special_tokens=True),
+            columns={key: [v for v in values for _ in range(group)] for key, values in batch.columns.items()},
+            group_size=group,
+            temperature=self.cfg.temperature,
+        )
+
+    def greedy(self, policy, batch: PromptBatch) -> list[str]:
+        """One greedy completion per prompt (for eval)."""
+        completion_ids = self.decode(policy, batch.input_ids, batch.attention_mask, 1, greedy=True)
+        return self.tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
+
+    def decode(self, policy, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, copies: int,
+               greedy: bool) -> torch.Tensor:
+        """Completion ids [B*copies, T] (T = max_new_tokens), rows grouped by prompt; after a
+        completion's EOS come pad tokens. prompt_ids, prompt_mask: [B, P], left-padded."""
+        cfg, eos, pad = self.cfg, self.tokenizer.eos_token_id, self.tokenizer.pad_token_id
+        device = next(policy.parameters()).device
+        was_training = policy.training
+        policy.eval()  # no dropout; also lets a checkpointed model use its KV cache
+        try:
+            with torch.inference_mode():
+                prompt_ids, prompt_mask = prompt_ids.to(device), prompt_mask.to(device)
+                positions = (prompt_mask.long().cumsum(dim=1) - 1).clamp(min=0)  # [B, P]; left padding
+                output = policy(input_ids=prompt_ids, attention_mask=prompt_mask, position_ids=positions,
+                                use_cache=True, logits_to_keep=1)
+                cache = output.cache  # the prompts' keys and values: copied once per completion, with room
+                cache.layers = [PreallocatedLayer(layer, copies, prompt_ids.shape[1] + cfg.max_new_tokens)
+                                for layer in cache.layers]
+                logits = output.logits[:, -1].repeat_interleave(copies, dim=0)  # [N, V]
+                mask = prompt_mask.repeat_interleave(copies, dim=0)  # [N, P + t]
+                next_position = positions[:, -1:].repeat_interleave(copies, dim=0) + 1  # [N, 1]
+                count, length = logits.shape[0], prompt_ids.shape[1]
+                completions = torch.full((count, cfg.max_new_tokens), pad, dtype=torch.long, device=device)
+                running = torch.ones(count, dtype=torch.bool, device=device)
+                for step in range(cfg.max_new_tokens):
+                    if step < cfg.min_new_tokens:  # generate's MinNewTokensLengthLogitsProcessor
+                        logits[:, eos] = -torch.inf
+                    scores = logits.float() if greedy else next_token_scores(logits, cfg.temperature, cfg.top_k,
+                                                                             cfg.top_p)
+                    tokens = torch.where(running, draw(scores, greedy), pad)
+                    completions[:, step] = tokens
+                    running &= tokens != eos
+                    if step == cfg.max_new_tokens - 1 or not self._any_running(running):
+                        break
+                    mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
+                    output = policy(input_ids=tokens[:, None], attention_mask=mask, position_ids=next_position,
+                                    cache=cache, use_cache=True,
+                                    cache_position=torch.tensor([length + step], device=device))
+                    logits, next_position = output.logits[:, -1], next_position + 1
+        finally:
+            policy.train(was_training)
+        return completions.cpu().clone()  # a normal tensor: inference-mode ones cannot enter autograd
+
+    def _any_running(self, running: torch.Tensor) -> bool:
+        flag = running.any().float()
+        if self.synced:
+            import torch.distributed as dist
+
+            flag = flag.cuda() if dist.get_backend() == "nccl" else flag
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return bool(flag.item())

@@ -1,0 +1,115 @@
+"""sampler=fast draws from the same distribution as sampler=hf (transformers' generate): the
+warpers equal transformers' own on random logits, greedy outputs are identical, and first- and
+second-token frequencies over thousands of samples pass a two-sample chi-square test (which
+does reject a sampler at another temperature)."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+import torch
+
+from grpo_cli.models import load_models
+from grpo_cli.prompts import PromptSource
+from grpo_cli.sampling import make_sampler
+from grpo_cli.sampling.fast import FastSampler, next_token_scores
+from grpo_cli.sampling.hf import HFSampler
+from helpers import config
+
+
+@pytest.mark.parametrize("temperature, top_k, top_p", [(1.0, 0, 1.0), (0.7, 5, 1.0), (1.3, 0, 0.8), (0.9, 20, 0.5)])
+def test_the_scores_are_transformers_warpers(temperature, top_k, top_p):
+    from transformers.generation.logits_process import (TemperatureLogitsWarper, TopKLogitsWarper,
+                                                        TopPLogitsWarper)
+
+    torch.manual_seed(0)
+    logits = torch.randn(16, 300) * 3
+    expected = logits.clone()
+    for warper, used in ((TemperatureLogitsWarper(temperature), True), (TopKLogitsWarper(max(top_k, 1)), top_k > 0),
+                         (TopPLogitsWarper(top_p), top_p < 1.0)):
+        expected = warper(None, expected) if used else expected
+    assert torch.equal(next_token_scores(logits, temperature, top_k, top_p), expected)
+
+
+def test_top_k_and_top_p_by_hand():
+    logits = torch.tensor([[2.0, 1.0, 0.0, -1.0]])
+    assert next_token_scores(logits, 1.0, 2, 1.0).isinf().tolist() == [[False, False, True, True]]
+    # softmax: 0.644, 0.237, 0.087, 0.032. top_p 0.85: the two best hold 0.881 >= 0.85, so the
+    # 0.087 and 0.032 go (their 0.119 is within 1 - 0.85 = 0.15); top_p 0.9 keeps three.
+    assert next_token_scores(logits, 1.0, 0, 0.85).isinf().tolist() == [[False, False, True, True]]
+    assert next_token_scores(logits, 1.0, 0, 0.9).isinf().tolist() == [[False, False, False, True]]
+
+
+def setup(tiny_model_dir, backend, *overrides):
+    cfg = config(tiny_model_dir, f"sampler.backend={backend}", *overrides)
+    models = load_models(cfg.model, 0.0, torch.device("cpu"))
+    return cfg, models, make_sampler(cfg.sampler, models.tokenizer)
+
+
+def test_make_sampler_picks_the_backend(tiny_model_dir):
+    assert isinstance(setup(tiny_model_dir, "fast")[2], FastSampler)
+    assert isinstance(setup(tiny_model_dir, "hf")[2], HFSampler)
+
+
+def test_greedy_completions_are_identical(tiny_model_dir):
+    outputs = {}
+    for backend in ("hf", "fast"):
+        cfg, models, sampler = setup(tiny_model_dir, backend, "data.prompts_per_step=16", "sampler.max_new_tokens=8")
+        outputs[backend] = sampler.greedy(models.policy, PromptSource(cfg.data, models.tokenizer).next_batch())
+    assert outputs["fast"] == outputs["hf"] and len(set(outputs["hf"])) > 3
+
+
+def test_a_rollout_has_the_hf_layout(tiny_model_dir):
+    # min_new_tokens: no EOS before it; ids are [B*G, T] grouped by prompt; the mask ends at EOS.
+    cfg, models, sampler = setup(tiny_model_dir, "fast", "sampler.max_new_tokens=6", "sampler.min_new_tokens=3")
+    batch = PromptSource(cfg.data, models.tokenizer).next_batch()
+    torch.manual_seed(0)
+    rollout = sampler.sample(models.policy, batch)
+    eos = models.tokenizer.eos_token_id
+    assert rollout.completion_ids.shape == (batch.size * 4, 6) and rollout.group_size == 4
+    assert not (rollout.completion_ids[:, :3] == eos).any()
+    assert torch.equal(rollout.prompt_ids, batch.input_ids.repeat_interleave(4, dim=0))
+    ended = (rollout.completion_ids == eos).any(dim=1)
+    assert torch.equal(rollout.truncated, ~ended)
+    assert rollout.prompts[:4] == [batch.texts[0]] * 4
+
+
+def token_counts(tiny_model_dir, backend, temperature, samples, seed):
+    """First and second tokens of `samples` completions of one prompt."""
+    cfg, models, sampler = setup(tiny_model_dir, backend, "data.prompts_per_step=1", f"sampler.group_size={samples}",
+                                 "sampler.max_new_tokens=2", "sampler.min_new_tokens=2",
+                                 f"sampler.temperature={temperature}")
+    batch = PromptSource(cfg.data, models.tokenizer).next_batch()
+    torch.manual_seed(seed)
+    ids = sampler.sample(models.policy, batch).completion_ids
+    return Counter(ids[:, 0].tolist()), Counter(ids[:, 1].tolist())
+
+
+def homogeneity_p_value(first: Counter, second: Counter) -> float:
+    """Two-sample chi-square test of equal distributions (equal sample sizes): sum over tokens of
+    (a - b)^2 / (a + b), tokens seen fewer than 10 times in both together pooled into one."""
+    pooled, cells = [0, 0], []
+    for token in first.keys() | second.keys():
+        a, b = first[token], second[token]
+        if a + b < 10:
+            pooled[0], pooled[1] = pooled[0] + a, pooled[1] + b
+        else:
+            cells.append((a, b))
+    if sum(pooled) > 0:
+        cells.append(tuple(pooled))
+    statistic = sum((a - b) ** 2 / (a + b) for a, b in cells)
+    freedom = len(cells) - 1
+    return float(torch.special.gammaincc(torch.tensor(freedom / 2), torch.tensor(statistic / 2)))
+
+
+def test_first_and_second_token_frequencies_match_generate(tiny_model_dir):
+    samples = 4000
+    hf = token_counts(tiny_model_dir, "hf", 1.0, samples, seed=1)
+    fast = token_counts(tiny_model_dir, "fast", 1.0, samples, seed=2)  # independent draws
+    assert len(hf[0]) > 5 and len(hf[1]) > 5  # a spread-out distribution, so the test has something to test
+    for position in (0, 1):
+        assert homogeneity_p_value(hf[position], fast[position]) > 1e-3, position
+    # The test can fail: the same sampler at temperature 0.7 is told apart.
+    colder = token_counts(tiny_model_dir, "fast", 0.7, samples, seed=3)
+    assert homogeneity_p_value(hf[1], colder[1]) < 1e-6
