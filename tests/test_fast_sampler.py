@@ -13,7 +13,7 @@ import torch
 from grpo_cli.models import load_models
 from grpo_cli.prompts import PromptSource
 from grpo_cli.sampling import make_sampler
-from grpo_cli.sampling.fast import FastSampler, next_token_scores
+from grpo_cli.sampling.fast import FastSampler, draw, next_token_scores, runs_layer_by_layer
 from grpo_cli.sampling.hf import HFSampler
 from helpers import config
 
@@ -41,6 +41,17 @@ def test_top_k_and_top_p_by_hand():
     assert next_token_scores(logits, 1.0, 0, 0.9).isinf().tolist() == [[False, False, False, True]]
 
 
+def test_draw_follows_the_probabilities_and_never_picks_a_removed_token():
+    # probabilities 0.5, 0.3, 0.2 and a removed token; 100,000 draws: each frequency within 5
+    # standard errors (sqrt(p (1 - p) / n) <= 0.0016) of its probability.
+    torch.manual_seed(0)
+    scores = torch.tensor([[0.5, 0.3, 0.2, 1.0]]).log()
+    scores[0, 3] = -torch.inf
+    counts = torch.bincount(draw(scores.expand(100_000, 4), greedy=False), minlength=4).double() / 100_000
+    assert counts[3] == 0 and torch.allclose(counts[:3], torch.tensor([0.5, 0.3, 0.2], dtype=torch.float64), atol=0.008)
+    assert draw(scores, greedy=True).tolist() == [0]
+
+
 def setup(tiny_model_dir, backend, *overrides):
     cfg = config(tiny_model_dir, f"sampler.backend={backend}", *overrides)
     models = load_models(cfg.model, 0.0, torch.device("cpu"))
@@ -52,12 +63,36 @@ def test_make_sampler_picks_the_backend(tiny_model_dir):
     assert isinstance(setup(tiny_model_dir, "hf")[2], HFSampler)
 
 
-def test_greedy_completions_are_identical(tiny_model_dir):
+@pytest.mark.parametrize("attention", ["sdpa", "eager"])
+def test_greedy_completions_are_identical(tiny_model_dir, attention):
+    # sdpa: the decoder runs layer by layer; eager: through the model's forward
     outputs = {}
     for backend in ("hf", "fast"):
-        cfg, models, sampler = setup(tiny_model_dir, backend, "data.prompts_per_step=16", "sampler.max_new_tokens=8")
+        cfg, models, sampler = setup(tiny_model_dir, backend, "data.prompts_per_step=16", "sampler.max_new_tokens=8",
+                                     f"model.attn_implementation={attention}")
+        assert runs_layer_by_layer(models.policy, 64) == (attention == "sdpa")
         outputs[backend] = sampler.greedy(models.policy, PromptSource(cfg.data, models.tokenizer).next_batch())
     assert outputs["fast"] == outputs["hf"] and len(set(outputs["hf"])) > 3
+
+
+def test_lora_policies_run_layer_by_layer_with_the_adapter_on(tiny_model_dir):
+    # The adapter must act while sampling: a LoRA policy with a non-zero adapter samples
+    # differently from its base, and the same as generate does.
+    outputs = {}
+    for backend in ("hf", "fast"):
+        torch.manual_seed(0)  # the same adapter both times (peft draws lora_A at random)
+        cfg, models, sampler = setup(tiny_model_dir, backend, "model.lora.enabled=true", "model.lora.r=4",
+                                     "data.prompts_per_step=16", "sampler.max_new_tokens=8")
+        for name, parameter in models.policy.named_parameters():
+            if "lora_B" in name:
+                parameter.data.normal_(0, 0.5)
+        batch = PromptSource(cfg.data, models.tokenizer).next_batch()
+        outputs[backend] = sampler.greedy(models.policy, batch)
+        with models.policy.disable_adapter():
+            outputs[f"{backend} base"] = sampler.greedy(models.policy, batch)
+    assert runs_layer_by_layer(models.policy, 64)
+    assert outputs["fast"] == outputs["hf"] and outputs["fast base"] == outputs["hf base"]
+    assert outputs["fast"] != outputs["fast base"]
 
 
 def test_a_rollout_has_the_hf_layout(tiny_model_dir):

@@ -30,12 +30,13 @@ def completion_mask(completion_ids: torch.Tensor, eos_token_id: int) -> tuple[to
     return mask, truncated
 
 
-def make_sampler(cfg: SamplerConfig, tokenizer, synced: bool = False):
-    """`synced`: keep every rank generating until all have finished (FSDP, distributed.py)."""
+def make_sampler(cfg: SamplerConfig, tokenizer, synced: bool = False, autocast: torch.dtype | None = None):
+    """`synced`: keep every rank generating until all have finished (FSDP, distributed.py).
+    `autocast`: sample under torch.autocast in this dtype (model.autocast; Models.autocast_dtype)."""
     if str(cfg.backend).lower() == "fast":
         from grpo_cli.sampling.fast import FastSampler
 
-        return FastSampler(cfg, tokenizer, synced)
+        return FastSampler(cfg, tokenizer, synced, autocast)
     from grpo_cli.sampling.hf import HFSampler
 
-    return HFSampler(cfg, tokenizer, synced)
+    return HFSampler(cfg, tokenizer, synced, autocast)

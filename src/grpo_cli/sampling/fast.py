@@ -8,6 +8,8 @@ as transformers' `generate` (`sampler=hf`), with less work per token:
 - the prompt pass computes logits for its last position only;
 - a token is drawn with a few tensor operations: min_new_tokens, temperature, top-k, top-p,
   as generate's processors do them and in their order, without its per-step machinery;
+- each token runs through the decoder's layers directly, with the attention mask made once
+  (the model's forward rebuilds it at every token), where the model allows it;
 - the loop runs under inference mode and stops as soon as every completion has ended.
 
 The pure core is `next_token_scores` (the distribution) and `draw` (one token per row).
@@ -19,6 +21,7 @@ import torch
 from transformers.cache_utils import DynamicLayer
 
 from grpo_cli.config import SamplerConfig
+from grpo_cli.models import autocast_to
 from grpo_cli.records import PromptBatch, Rollout
 from grpo_cli.sampling import completion_mask
 
@@ -41,10 +44,18 @@ def next_token_scores(logits: torch.Tensor, temperature: float, top_k: int, top_
 
 
 def draw(scores: torch.Tensor, greedy: bool) -> torch.Tensor:
-    """One token id per row of scores [N, V]: the best, or a sample of softmax(scores)."""
+    """One token id per row of scores [N, V]: the best, or a sample of softmax(scores).
+
+    Sampling inverts the cumulative distribution at one uniform number per row: the first
+    token whose cumulative probability exceeds u. That is an exact draw (removed tokens have
+    zero-width intervals) and needs N random numbers where torch.multinomial draws N x V
+    exponentials, the slowest part of a CPU decode step. Float64 keeps the sum's rounding far
+    below the smallest probabilities of a large vocabulary."""
     if greedy:
         return scores.argmax(dim=-1)
-    return torch.multinomial(scores.softmax(dim=-1), num_samples=1).squeeze(1)
+    cumulative = scores.softmax(dim=-1).double().cumsum(dim=-1)  # [N, V]
+    u = torch.rand(scores.shape[0], 1, dtype=torch.float64, device=scores.device) * cumulative[:, -1:]
+    return torch.searchsorted(cumulative, u, right=True).squeeze(1).clamp_(max=scores.shape[1] - 1)
 
 
 class PreallocatedLayer(DynamicLayer):
@@ -76,10 +87,53 @@ class PreallocatedLayer(DynamicLayer):
         return self.keys, self.values
 
 
+def runs_layer_by_layer(policy, capacity: int) -> bool:
+    """Whether one_token_forward runs `policy` layer by layer: a Qwen2/Llama-style decoder
+    (embed_tokens, rotary_emb, layers, norm) with sdpa attention over every position of
+    sequences of up to `capacity` tokens (no sliding window within them)."""
+    model = policy.get_base_model() if hasattr(policy, "get_base_model") else policy
+    decoder, config = getattr(model, "model", None), model.config
+    return (getattr(config, "_attn_implementation", None) == "sdpa"
+            and all(hasattr(decoder, name) for name in ("embed_tokens", "rotary_emb", "layers", "norm"))
+            and all(kind == "full_attention" for kind in getattr(config, "layer_types", None) or ["full_attention"])
+            and (getattr(config, "sliding_window", None) or capacity) >= capacity)
+
+
+def one_token_forward(policy, attention: torch.Tensor, cache, layer_by_layer: bool):
+    """A function (tokens [N], positions [N, 1], length) -> next-token logits [N, V] that runs one
+    token per sequence through the policy, its keys and values going into `cache`; `length` is
+    the positions attended so far, this token's included. attention: [N, P + T] (1 = a token).
+
+    A Qwen2/Llama-style decoder with sdpa attention is run layer by layer, with its attention
+    mask made once: the model's forward would rebuild the mask, and pass through its output
+    wrappers, at every token (`layer_by_layer`, where runs_layer_by_layer allows it). Otherwise
+    the model's own forward."""
+    if not layer_by_layer:
+        def forward(tokens: torch.Tensor, positions: torch.Tensor, length: int) -> torch.Tensor:
+            return policy(input_ids=tokens[:, None], attention_mask=attention[:, :length], position_ids=positions,
+                          cache=cache, use_cache=True).logits[:, -1]
+        return forward
+
+    model = policy.get_base_model() if hasattr(policy, "get_base_model") else policy  # peft: LoRA stays on
+    decoder, config = model.model, model.config
+    keep = attention.bool()[:, None, None, :]  # [N, 1, 1, P + T]: sdpa's boolean mask, True = attend
+    layers, head = decoder.layers[: config.num_hidden_layers], model.get_output_embeddings()
+
+    def forward(tokens: torch.Tensor, positions: torch.Tensor, length: int) -> torch.Tensor:
+        hidden = decoder.embed_tokens(tokens[:, None])  # [N, 1, h]
+        rotary = decoder.rotary_emb(hidden, positions)
+        for layer in layers:
+            hidden = layer(hidden, attention_mask=keep[..., :length], position_embeddings=rotary,
+                           position_ids=positions, cache=cache, use_cache=True)
+        return head(decoder.norm(hidden[:, -1]))
+    return forward
+
+
 class FastSampler:
-    def __init__(self, cfg: SamplerConfig, tokenizer, synced: bool = False):
+    def __init__(self, cfg: SamplerConfig, tokenizer, synced: bool = False, autocast: torch.dtype | None = None):
         self.cfg = cfg
         self.tokenizer = tokenizer
+        self.autocast = autocast
         # FSDP: every rank runs the same number of forward passes (each gathers weights), so a
         # rank whose completions have all ended keeps stepping until every rank has.
         self.synced = synced
@@ -116,7 +170,7 @@ class FastSampler:
         was_training = policy.training
         policy.eval()  # no dropout; also lets a checkpointed model use its KV cache
         try:
-            with torch.inference_mode():
+            with torch.inference_mode(), autocast_to(self.autocast, device):
                 prompt_ids, prompt_mask = prompt_ids.to(device), prompt_mask.to(device)
                 positions = (prompt_mask.long().cumsum(dim=1) - 1).clamp(min=0)  # [B, P]; left padding
                 output = policy(input_ids=prompt_ids, attention_mask=prompt_mask, position_ids=positions,
@@ -125,9 +179,14 @@ class FastSampler:
                 cache.layers = [PreallocatedLayer(layer, copies, prompt_ids.shape[1] + cfg.max_new_tokens)
                                 for layer in cache.layers]
                 logits = output.logits[:, -1].repeat_interleave(copies, dim=0)  # [N, V]
-                mask = prompt_mask.repeat_interleave(copies, dim=0)  # [N, P + t]
-                next_position = positions[:, -1:].repeat_interleave(copies, dim=0) + 1  # [N, 1]
                 count, length = logits.shape[0], prompt_ids.shape[1]
+                # Every position a completion can reach: its prompt's padding, then its own tokens.
+                attention = torch.cat([prompt_mask.repeat_interleave(copies, dim=0),
+                                       prompt_mask.new_ones(count, cfg.max_new_tokens)], dim=1)  # [N, P + T]
+                # FSDP (synced) gathers the weights in the model's own forward: no layer-by-layer there
+                direct = not self.synced and runs_layer_by_layer(policy, attention.shape[1])
+                one_token = one_token_forward(policy, attention, cache, direct)
+                next_position = positions[:, -1:].repeat_interleave(copies, dim=0) + 1  # [N, 1]
                 completions = torch.full((count, cfg.max_new_tokens), pad, dtype=torch.long, device=device)
                 running = torch.ones(count, dtype=torch.bool, device=device)
                 for step in range(cfg.max_new_tokens):
@@ -140,11 +199,8 @@ class FastSampler:
                     running &= tokens != eos
                     if step == cfg.max_new_tokens - 1 or not self._any_running(running):
                         break
-                    mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
-                    output = policy(input_ids=tokens[:, None], attention_mask=mask, position_ids=next_position,
-                                    cache=cache, use_cache=True,
-                                    cache_position=torch.tensor([length + step], device=device))
-                    logits, next_position = output.logits[:, -1], next_position + 1
+                    logits = one_token(tokens, next_position, length + step + 1)
+                    next_position = next_position + 1
         finally:
             policy.train(was_training)
         return completions.cpu().clone()  # a normal tensor: inference-mode ones cannot enter autograd

@@ -5,14 +5,16 @@ from __future__ import annotations
 import torch
 
 from grpo_cli.config import SamplerConfig
+from grpo_cli.models import autocast_to
 from grpo_cli.records import PromptBatch, Rollout
 from grpo_cli.sampling import completion_mask
 
 
 class HFSampler:
-    def __init__(self, cfg: SamplerConfig, tokenizer, synced: bool = False):
+    def __init__(self, cfg: SamplerConfig, tokenizer, synced: bool = False, autocast: torch.dtype | None = None):
         self.cfg = cfg
         self.tokenizer = tokenizer
+        self.autocast = autocast
         # FSDP: every rank must run the same number of forward passes (each gathers weights), so
         # a rank whose completions have all ended keeps stepping until every rank has.
         self.synced = synced
@@ -23,7 +25,7 @@ class HFSampler:
         was_training = policy.training
         policy.eval()  # no dropout while sampling; also lets gradient checkpointing use the KV cache
         try:
-            with torch.no_grad():
+            with torch.no_grad(), autocast_to(self.autocast, device):
                 output = policy.generate(
                     input_ids=input_ids.to(device),
                     attention_mask=attention_mask.to(device),
