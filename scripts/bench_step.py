@@ -3,6 +3,7 @@ model, prompts and settings; and our sampler against transformers' generate.
 
     pip install -e '.[bench]'          # TRL >= 1.16
     python scripts/bench_step.py                       # both sizes, float32, 8 timed steps each
+    python scripts/bench_step.py --bf16                # bfloat16 mixed precision on both sides
 
 Settings (issue 9): 8 prompts x G = 8, 64 new tokens with min_new_tokens = 64 (every completion
 the same length), beta = 0.04 (a reference pass), num_iterations = 1, one optimizer step per
@@ -90,7 +91,7 @@ def peak_rss_bytes() -> int:
 # ---------------------------------------------------------------------------- our side
 
 
-def our_config(model_dir: Path, sampler: str):
+def our_config(model_dir: Path, sampler: str, bf16: bool = False):
     from omegaconf import OmegaConf
 
     from grpo_cli.config import Config
@@ -105,6 +106,7 @@ def our_config(model_dir: Path, sampler: str):
         "optimizer.weight_decay=0.0", "optimizer.warmup_steps=0", "trainer.steps=1000",
     ])
     cfg.reward.functions = [{"_target_": "bench_step.our_reward", "weight": 1.0}]
+    cfg.model.autocast = "bfloat16" if bf16 else "none"
     return cfg
 
 
@@ -113,7 +115,7 @@ def our_reward(prompts, completions, answer, **_):
 
 
 class OurSide:
-    def __init__(self, model_dir: Path, sampler: str):
+    def __init__(self, model_dir: Path, sampler: str, bf16: bool = False):
         import torch
 
         from grpo_cli.distributed import SINGLE
@@ -121,7 +123,7 @@ class OurSide:
         from grpo_cli.rewards.api import RewardScorer
 
         torch.manual_seed(0)
-        cfg = our_config(model_dir, sampler)
+        cfg = our_config(model_dir, sampler, bf16)
         rows = prompt_rows()
         self.parts = load_parts(cfg, RewardScorer.from_config(cfg.reward, cfg.trainer.std_eps), rows,
                                 torch.device("cpu"), SINGLE)
@@ -215,7 +217,7 @@ def worker(side: str, size: str, sampler: str, bf16: bool, work: str, pipe) -> N
     transformers_logging.disable_progress_bar()
     transformers_logging.set_verbosity_error()
     model_dir = bench_model(size)
-    runner = OurSide(model_dir, sampler) if side == "ours" else TrlSide(model_dir, bf16, Path(work))
+    runner = OurSide(model_dir, sampler, bf16) if side == "ours" else TrlSide(model_dir, bf16, Path(work))
     pipe.send("ready")
     while True:
         command = pipe.recv()
@@ -229,6 +231,9 @@ def worker(side: str, size: str, sampler: str, bf16: bool, work: str, pipe) -> N
 
 def compare_steps(size: str, steps: int, warmup: int, sampler: str, bf16: bool, work: Path) -> dict[str, Any]:
     context = multiprocessing.get_context("spawn")
+    # A spawned worker imports this module by name to find `worker`, on a copy of our sys.path.
+    if str(SCRIPTS) not in sys.path:
+        sys.path.insert(0, str(SCRIPTS))
     sides = {}
     for side in ("ours", "trl"):
         parent, child = context.Pipe()
@@ -264,7 +269,7 @@ def compare_steps(size: str, steps: int, warmup: int, sampler: str, bf16: bool, 
     return summary
 
 
-def compare_samplers(size: str, repeats: int) -> dict[str, float]:
+def compare_samplers(size: str, repeats: int, bf16: bool) -> dict[str, float]:
     """Median seconds of sampler=fast and sampler=hf (model.generate) on the same batch."""
     import torch
 
@@ -273,12 +278,12 @@ def compare_samplers(size: str, repeats: int) -> dict[str, float]:
     from grpo_cli.sampling import make_sampler
 
     medians = {}
-    cfg = our_config(bench_model(size), "hf")
+    cfg = our_config(bench_model(size), "hf", bf16)
     models = load_models(cfg.model, 0.0, torch.device("cpu"))
     batch = PromptSource(cfg.data, models.tokenizer, prompt_rows()).next_batch()
     for backend in ("fast", "hf", "fast", "hf"):  # the first of each is a warm-up
         cfg.sampler.backend = backend
-        sampler = make_sampler(cfg.sampler, models.tokenizer)
+        sampler = make_sampler(cfg.sampler, models.tokenizer, autocast=models.autocast_dtype)
         times = []
         for _ in range(repeats):
             started = time.perf_counter()
@@ -307,6 +312,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=8, help="timed steps per side, after the warm-up")
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--sampler", default="fast", choices=("fast", "hf"), help="our sampler backend")
+    parser.add_argument("--bf16", action="store_true",
+                        help="bfloat16 mixed precision on both sides (ours: model.autocast=bfloat16; TRL: bf16=True)")
     parser.add_argument("--json", type=Path, help="also write the results here")
     args = parser.parse_args()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -317,9 +324,10 @@ def main() -> None:
     results = []
     for size in args.size or ["tiny", "small"]:
         bench_model(size)  # built once, before the workers start
+        sampler = compare_samplers(size, repeats=5, bf16=args.bf16)  # first: nothing else is running
         with tempfile.TemporaryDirectory() as work:
-            steps = compare_steps(size, args.steps, args.warmup, args.sampler, False, Path(work))
-        steps["sampler"] = compare_samplers(size, repeats=3)
+            steps = compare_steps(size, args.steps, args.warmup, args.sampler, args.bf16, Path(work))
+        steps["sampler"] = sampler
         results.append(steps)
         ours, trl = steps["ours"], steps["trl"]
         print(f"{size}: ours {ours['median_seconds']:.3f} s/step (generate {ours['median_generate_seconds']:.3f} s, "
@@ -327,7 +335,6 @@ def main() -> None:
               f"TRL {trl['median_seconds']:.3f} s/step (generate {trl['median_generate_seconds']:.3f} s, "
               f"{trl['generate_tokens_per_second']:.0f} tok/s, peak RSS {trl['peak_rss_gb']:.2f} GB) | "
               f"ratio {steps['ratio']:.2f}", flush=True)
-        sampler = steps["sampler"]
         print(f"{size} sampler: fast {sampler['fast_tokens_per_second']:.0f} tok/s, generate "
               f"{sampler['hf_tokens_per_second']:.0f} tok/s, {sampler['speedup']:.2f}x", flush=True)
     if args.json:

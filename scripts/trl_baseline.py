@@ -10,8 +10,8 @@ load it by path. What "like for like" means, setting by setting (grpo_cli's key 
   [data.prompts_per_step x sampler.group_size], trained on once [trainer.num_iterations=1]:
   steps_per_generation = gradient_accumulation_steps, so TRL generates exactly when an optimizer
   step starts and skips its extra "old policy" forward (old_per_token_logps stays None);
-- float32 on the CPU [model.dtype=float32, trainer.device=cpu]; bf16 only when asked, then the
-  weights themselves are loaded in bfloat16 as grpo_cli does (not fp32 master weights + autocast);
+- float32 weights on the CPU [model.dtype=float32, trainer.device=cpu]; with bf16, TRL's own
+  mixed precision (bf16=True: autocast over the float32 weights) [model.autocast=bfloat16];
 - no gradient checkpointing [model.gradient_checkpointing=false] (TRL's default is on);
 - sampling: temperature as given, top_p=1, top_k=0 (off), no min_p, no repetition penalty
   [sampler.*], and every completion max_new_tokens long (min_new_tokens = max_new_tokens, merged
@@ -87,9 +87,9 @@ def make_trl_trainer(
         use_cpu=True,
         bf16=bf16,
         fp16=False,
-        # TRL loads the model itself from the folder; in bf16 the weights are bf16, as grpo_cli's
-        # model.dtype=bfloat16 (TRL's bf16 flag alone would only add autocast over fp32 weights).
-        model_init_kwargs={"dtype": "bfloat16" if bf16 else "float32"},
+        # TRL loads the model itself from the folder: float32 weights; bf16=True adds autocast over
+        # them, as grpo_cli's model.autocast=bfloat16 does.
+        model_init_kwargs={"dtype": "float32"},
         # TRL's default is True; grpo_cli's is off. The new name (transformers 5): the old one warns.
         activation_checkpointing=False,
         disable_dropout=True,

@@ -19,6 +19,18 @@ def computed_rows(rows: list[dict], leave_out: tuple[str, ...] = ()) -> list[dic
     return [{k: v for k, v in row.items() if not k.startswith((*MEASURED_KEYS, *leave_out))} for row in rows]
 
 
+def load_script(name: str):
+    """scripts/NAME.py as a module (registered in sys.modules, so its pickled or imported names resolve)."""
+    import importlib.util
+
+    path = Path(TESTS_DIR).parent / "scripts" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
 def run_script(program: str, *overrides: str, cwd: Path | None = None, check: bool = True,
                env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     """`PROGRAM OVERRIDES...` (a console script of this venv) in a child process; raises with

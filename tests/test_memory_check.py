@@ -15,7 +15,7 @@ from grpo_cli.config import ConfigError
 from grpo_cli.models import local_tokenizer_and_context
 from grpo_cli.memory_check import PLAN_FILE, check_memory, memory_budget, plan_for
 from grpo_cli.prompts import PromptSource, train_and_eval_rows
-from helpers import config, grpo_train, input_error
+from helpers import config, grpo_train, input_error, load_script
 
 
 class LoadedWeights(Exception):
@@ -116,17 +116,6 @@ def test_an_architecture_block_needs_a_known_model_type():
         architecture_from_block({"model_type": "???", **shape}, "org/model")
     qwen2, llama = (architecture_from_block({"model_type": kind, **shape}, "org/model") for kind in ("qwen2", "llama"))
     assert qwen2.qkv_bias and not llama.qkv_bias  # transformers' defaults of each type
-
-
-def load_script(name: str):
-    import importlib.util
-    from pathlib import Path
-
-    path = Path(__file__).resolve().parents[1] / "scripts" / f"{name}.py"
-    spec = importlib.util.spec_from_file_location(name, path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def test_the_gpu_memory_bench_builds_a_preset_shaped_model_the_plan_counts_exactly(tmp_path, tiny_model_dir):

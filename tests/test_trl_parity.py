@@ -12,21 +12,17 @@ and on the gradient norm before clipping, for each pair of equivalent aggregatio
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import math
-import sys
 import time
-from pathlib import Path
 
 import pytest
 import torch
 
-from helpers import config
+from helpers import config, load_script
 
 # TRL 1.16 calls transformers' deprecated `is_gradient_checkpointing` itself: not ours to fix.
 pytestmark = pytest.mark.filterwarnings("ignore:`is_gradient_checkpointing` is deprecated:FutureWarning")
 
-SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "trl_baseline.py"
 BETA = 0.04
 GROUP = 4  # helpers.config: 2 prompts x G = 4, 4 new tokens
 NEW_TOKENS = 4
@@ -39,18 +35,10 @@ NEW_TOKENS = 4
 RTOL = 2e-6
 
 
-def _load_baseline():
-    spec = importlib.util.spec_from_file_location("trl_baseline", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["trl_baseline"] = module
-    spec.loader.exec_module(module)
-    return module
-
-
 @pytest.fixture(scope="module")
 def baseline():
     pytest.importorskip("trl")
-    return _load_baseline()
+    return load_script("trl_baseline")
 
 
 def _perturb(model: torch.nn.Module) -> list[str]:

@@ -77,6 +77,10 @@ class ModelConfig:
     reference_device: str = "same"
     """Where a full fine-tune's frozen reference lives: same (the policy's device) | cpu | cuda |
     cuda:N. It only runs forward, so it can sit on the CPU (slower) to free device memory."""
+    autocast: str = "none"
+    """none | bfloat16: run the forward passes (sampling, log-probs) under torch.autocast in
+    bfloat16, keeping the weights, gradients and optimizer states in model.dtype (float32):
+    mixed precision, e.g. on CPUs with fast bfloat16 matmuls (docs/BENCHMARKS.md)."""
     attn_implementation: str = "sdpa"
     """sdpa | eager | flash_attention_2 (needs the flash-attn package and a CUDA GPU). Passed to
     from_pretrained; the memory planner counts sdpa's activations."""

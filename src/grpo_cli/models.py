@@ -32,6 +32,16 @@ class Models:
     base_path: str  # the resolved folder or hub id of the base model
     uses_kl: bool  # beta > 0
     trained: Optional[torch.nn.Module] = None  # the policy's DDP wrapper under torchrun (distributed.py)
+    autocast_dtype: Optional[torch.dtype] = None  # model.autocast: forward passes in this dtype
+
+    def autocast(self):
+        """The context for a forward pass: torch.autocast under model.autocast, else nothing."""
+        return autocast_to(self.autocast_dtype, self.device)
+
+
+def autocast_to(dtype: Optional[torch.dtype], device: torch.device):
+    """torch.autocast(device, dtype) for forward passes only (not the backward), or a no-op."""
+    return torch.autocast(device.type, dtype=dtype) if dtype is not None else contextlib.nullcontext()
 
 
 def resolve_device(setting: str) -> torch.device:
@@ -216,7 +226,8 @@ def load_models(cfg: ModelConfig, beta: float, device: torch.device,
         reference_device = device if cfg.reference_device.lower() == "same" else resolve_device(cfg.reference_device)
         reference = _from_pretrained(base_path, cfg, dtype, reference_device)
         reference.eval().requires_grad_(False)
-    return Models(policy, reference, tokenizer, device, base_path, uses_kl=beta > 0)
+    autocast = torch.bfloat16 if cfg.autocast == "bfloat16" else None
+    return Models(policy, reference, tokenizer, device, base_path, uses_kl=beta > 0, autocast_dtype=autocast)
 
 
 def fix_special_tokens(tokenizer, name_or_path: str) -> None:

@@ -212,7 +212,7 @@ def load_parts(cfg: Any, scorer: RewardScorer, train_rows: list[dict[str, Any]],
     prompts = PromptSource(cfg.data, models.tokenizer, train_rows, place)
     optimizer = make_optimizer(cfg.optimizer, trainable_parameters(models.policy))
     scheduler = make_scheduler(cfg.optimizer, optimizer, cfg.trainer.steps * cfg.trainer.num_iterations)
-    sampler = make_sampler(cfg.sampler, models.tokenizer, synced=is_sharded(place))
+    sampler = make_sampler(cfg.sampler, models.tokenizer, synced=is_sharded(place), autocast=models.autocast_dtype)
     return RunParts(cfg, models, sampler, scorer, prompts, optimizer, scheduler, betas, place)
 
 

@@ -175,7 +175,7 @@ def score_prompts(cfg: Any, rows: list[dict[str, Any]], checkpoint: Optional[Pat
     models = load_models(cfg.model, 0.0, resolve_device(trainer.device),  # beta 0: no reference model
                          checkpoint=str(checkpoint) if checkpoint else None)
     prompts = PromptSource(cfg.data, models.tokenizer, rows=rows)
-    sampler = make_sampler(cfg.sampler, models.tokenizer)
+    sampler = make_sampler(cfg.sampler, models.tokenizer, autocast=models.autocast_dtype)
     totals, informative = [], []  # per batch: [B, G], [B]
     error_counts: dict[str, int] = {}
     first_errors: dict[str, str] = {}

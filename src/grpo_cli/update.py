@@ -102,10 +102,11 @@ def update_policy(
 
     def log_probs_of(model, chunk, with_entropy=False):  # `model`: the policy, its DDP wrapper, or the reference
         here = next(model.parameters()).device  # a full fine-tune's reference may sit on the CPU
-        log_probs, entropy = completion_log_probs(
-            model, prompt_ids[chunk].to(here), prompt_mask[chunk].to(here), completion_ids[chunk].to(here),
-            mask[chunk].to(here), rollout.temperature, with_entropy,
-        )
+        with models.autocast():  # the forward only: the backward runs in the dtypes it chose
+            log_probs, entropy = completion_log_probs(
+                model, prompt_ids[chunk].to(here), prompt_mask[chunk].to(here), completion_ids[chunk].to(here),
+                mask[chunk].to(here), rollout.temperature, with_entropy,
+            )
         return log_probs.to(device), entropy
 
     policy.train()

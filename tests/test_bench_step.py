@@ -1,0 +1,19 @@
+"""scripts/bench_step.py, the benchmark against TRL (docs/BENCHMARKS.md), still runs: one
+alternating step per side on the tiny bench model, each side in its own process."""
+
+from __future__ import annotations
+
+import pytest
+
+from helpers import load_script
+
+
+@pytest.mark.slow  # about 40 s: two processes start, load their trainers and take a step each
+def test_one_step_per_side_runs_and_is_timed(tmp_path):
+    bench = load_script("bench_step")
+    summary = bench.compare_steps("tiny", steps=1, warmup=0, sampler="fast", bf16=False, work=tmp_path)
+    for side in ("ours", "trl"):
+        numbers = summary[side]
+        assert numbers["median_seconds"] > numbers["median_generate_seconds"] > 0
+        assert numbers["generate_tokens_per_second"] > 0 and numbers["peak_rss_gb"] > 0.1
+    assert summary["ratio"] > 0
