@@ -1,7 +1,8 @@
 """The embedded default visibly learns: `grpo-train` with no arguments, held-out greedy eval;
 and so does each advantage mode (docs/ALGORITHM.md quotes the numbers of these runs). The
-default samples with transformers' generate (sampler=hf); the other runs with sampler=fast, and
-one of them in bfloat16 mixed precision (model.autocast): both learn as the default does.
+default samples with transformers' generate (sampler=hf), the other two with sampler=fast: both
+learn as the default does. (bfloat16 mixed precision learns too, docs/ALGORITHM.md, but runs 3x
+slower than float32 on this CPU, too slow for CI.)
 
 Sampled reward alone is no proof (a policy can sharpen onto a shortcut such as always giving
 the most frequent answer); the bar is the greedy accuracy on the eval draw, before vs after.
@@ -16,9 +17,8 @@ from helpers import grpo_train
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("overrides", [[], ["algorithm=rloo", "sampler=fast"], ["algorithm=dr_grpo", "sampler=fast"],
-                                       ["sampler=fast", "model.autocast=bfloat16"]],
-                         ids=["grpo-default", "rloo", "dr_grpo", "fast-sampler-bf16-autocast"])
+@pytest.mark.parametrize("overrides", [[], ["algorithm=rloo", "sampler=fast"], ["algorithm=dr_grpo", "sampler=fast"]],
+                         ids=["grpo-default", "rloo", "dr_grpo"])
 def test_run_raises_greedy_eval_accuracy(tmp_path, tiny_model_dir, overrides):
     run_dir = tmp_path / "run"  # []: `grpo-train` as it comes
     result = grpo_train(*overrides, f"hydra.run.dir={run_dir}")
