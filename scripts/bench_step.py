@@ -30,6 +30,7 @@ import json
 import multiprocessing
 import os
 import platform
+import shutil
 import statistics
 import sys
 import time
@@ -69,7 +70,12 @@ def bench_model(size: str) -> Path:
     staging = folder.with_name(folder.name + f".tmp{os.getpid()}")
     model.save_pretrained(staging)
     tokenizer.save_pretrained(staging)
-    staging.rename(folder)
+    try:
+        staging.rename(folder)
+    except OSError:  # another process built it first: keep theirs
+        shutil.rmtree(staging, ignore_errors=True)
+        if not (folder / "config.json").is_file():
+            raise
     return folder
 
 
@@ -229,7 +235,19 @@ def worker(side: str, size: str, sampler: str, bf16: bool, work: str, pipe) -> N
             return
 
 
+def answer(side: str, process, pipe, timeout: float = 600.0) -> Any:
+    """The worker's next reply; RuntimeError if it died or stays silent (never a hang)."""
+    waited = 0.0
+    while not pipe.poll(1.0):
+        waited += 1.0
+        if not process.is_alive() or waited > timeout:
+            raise RuntimeError(f"the {side} worker {'exited' if not process.is_alive() else 'hangs'} "
+                               f"(exit code {process.exitcode}); its output above says why")
+    return pipe.recv()
+
+
 def compare_steps(size: str, steps: int, warmup: int, sampler: str, bf16: bool, work: Path) -> dict[str, Any]:
+    bench_model(size)  # built here, not by both workers at once
     context = multiprocessing.get_context("spawn")
     # A spawned worker imports this module by name to find `worker`, on a copy of our sys.path.
     if str(SCRIPTS) not in sys.path:
@@ -240,23 +258,31 @@ def compare_steps(size: str, steps: int, warmup: int, sampler: str, bf16: bool, 
         process = context.Process(target=worker, args=(side, size, sampler, bf16, str(work / side), child))
         process.start()
         sides[side] = (process, parent)
-    for process, pipe in sides.values():
-        assert pipe.recv() == "ready"
-    results: dict[str, list[dict[str, float]]] = {"ours": [], "trl": []}
-    for turn in range(warmup + steps):
-        for side, (_, pipe) in sides.items():  # ours, then TRL: alternating
-            pipe.send("step")
-            numbers = pipe.recv()
-            if turn >= warmup:
-                results[side].append(numbers)
+    try:
+        for side, (process, pipe) in sides.items():
+            if answer(side, process, pipe) != "ready":
+                raise RuntimeError(f"the {side} worker did not start")
+        results: dict[str, list[dict[str, float]]] = {"ours": [], "trl": []}
+        for turn in range(warmup + steps):
+            for side, (process, pipe) in sides.items():  # ours, then TRL: alternating
+                pipe.send("step")
+                numbers = answer(side, process, pipe)
+                if turn >= warmup:
+                    results[side].append(numbers)
+        peaks = {}
+        for side, (process, pipe) in sides.items():
+            pipe.send("peak")
+            peaks[side] = answer(side, process, pipe)
+    finally:
+        for process, pipe in sides.values():
+            if process.is_alive():
+                pipe.send("exit")
+            process.join(timeout=60)
+            if process.is_alive():
+                process.kill()
     summary: dict[str, Any] = {"size": size, "steps": steps}
-    for side, (process, pipe) in sides.items():
-        pipe.send("peak")
-        peak = pipe.recv()
-        pipe.send("exit")
-        process.join(timeout=60)
-        if process.is_alive():
-            process.kill()
+    for side in sides:
+        peak = peaks[side]
         rows = results[side]
         generate = sum(r["generate_seconds"] for r in rows)
         summary[side] = {
