@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from grpo_cli.config import SamplerConfig
+from grpo_cli.records import PromptBatch, Rollout
 
 
 def completion_mask(completion_ids: torch.Tensor, eos_token_id: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -28,6 +29,25 @@ def completion_mask(completion_ids: torch.Tensor, eos_token_id: int) -> tuple[to
     mask = (eos_before == 0).long()
     truncated = ~is_eos.any(dim=1)
     return mask, truncated
+
+
+def rollout_from(batch: PromptBatch, group: int, completion_ids: torch.Tensor, tokenizer,
+                 temperature: float) -> Rollout:
+    """The Rollout of `group` completions per prompt of `batch`: completion_ids [B*G, T], rows
+    grouped by prompt (each prompt's G completions side by side), as both samplers return them."""
+    mask, truncated = completion_mask(completion_ids, tokenizer.eos_token_id)
+    return Rollout(
+        prompt_ids=batch.input_ids.repeat_interleave(group, dim=0),  # [B*G, P]
+        prompt_mask=batch.attention_mask.repeat_interleave(group, dim=0),
+        completion_ids=completion_ids,
+        completion_mask=mask,
+        truncated=truncated,
+        prompts=[text for text in batch.texts for _ in range(group)],
+        completions=tokenizer.batch_decode(completion_ids, skip_special_tokens=True),
+        columns={key: [v for v in values for _ in range(group)] for key, values in batch.columns.items()},
+        group_size=group,
+        temperature=temperature,
+    )
 
 
 def make_sampler(cfg: SamplerConfig, tokenizer, synced: bool = False, autocast: torch.dtype | None = None):

@@ -23,7 +23,7 @@ from transformers.cache_utils import DynamicLayer
 from grpo_cli.config import SamplerConfig
 from grpo_cli.models import autocast_to
 from grpo_cli.records import PromptBatch, Rollout
-from grpo_cli.sampling import completion_mask
+from grpo_cli.sampling import rollout_from
 
 
 def next_token_scores(logits: torch.Tensor, temperature: float, top_k: int, top_p: float) -> torch.Tensor:
@@ -142,19 +142,7 @@ class FastSampler:
         """G completions per prompt; G = sampler.group_size unless given (adaptive group size)."""
         group = group_size or self.cfg.group_size
         completion_ids = self.decode(policy, batch.input_ids, batch.attention_mask, group, greedy=False)
-        mask, truncated = completion_mask(completion_ids, self.tokenizer.eos_token_id)
-        return Rollout(
-            prompt_ids=batch.input_ids.repeat_interleave(group, dim=0),  # [B*G, P]
-            prompt_mask=batch.attention_mask.repeat_interleave(group, dim=0),
-            completion_ids=completion_ids,
-            completion_mask=mask,
-            truncated=truncated,
-            prompts=[text for text in batch.texts for _ in range(group)],
-            completions=self.tokenizer.batch_decode(completion_ids, skip_special_tokens=True),
-            columns={key: [v for v in values for _ in range(group)] for key, values in batch.columns.items()},
-            group_size=group,
-            temperature=self.cfg.temperature,
-        )
+        return rollout_from(batch, group, completion_ids, self.tokenizer, self.cfg.temperature)
 
     def greedy(self, policy, batch: PromptBatch) -> list[str]:
         """One greedy completion per prompt (for eval)."""

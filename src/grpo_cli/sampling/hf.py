@@ -7,7 +7,7 @@ import torch
 from grpo_cli.config import SamplerConfig
 from grpo_cli.models import autocast_to
 from grpo_cli.records import PromptBatch, Rollout
-from grpo_cli.sampling import completion_mask
+from grpo_cli.sampling import rollout_from
 
 
 class HFSampler:
@@ -48,31 +48,17 @@ class HFSampler:
     def sample(self, policy, batch: PromptBatch, group_size: int | None = None) -> Rollout:
         """G completions per prompt; G = sampler.group_size unless given (adaptive group size)."""
         group = group_size or self.cfg.group_size
-        prompt_ids = batch.input_ids.repeat_interleave(group, dim=0)  # [B*G, P]
-        prompt_mask = batch.attention_mask.repeat_interleave(group, dim=0)
         completion_ids = self._generate(
             policy,
-            prompt_ids,
-            prompt_mask,
+            batch.input_ids.repeat_interleave(group, dim=0),  # [B*G, P]: generate encodes each copy
+            batch.attention_mask.repeat_interleave(group, dim=0),
             do_sample=True,
             temperature=self.cfg.temperature,
             top_p=self.cfg.top_p,
             top_k=self.cfg.top_k,  # 0 disables top-k (None would mean the model default, often 50)
             min_new_tokens=self.cfg.min_new_tokens,
         )
-        mask, truncated = completion_mask(completion_ids, self.tokenizer.eos_token_id)
-        return Rollout(
-            prompt_ids=prompt_ids,
-            prompt_mask=prompt_mask,
-            completion_ids=completion_ids,
-            completion_mask=mask,
-            truncated=truncated,
-            prompts=[text for text in batch.texts for _ in range(group)],
-            completions=self.tokenizer.batch_decode(completion_ids, skip_special_tokens=True),
-            columns={key: [v for v in values for _ in range(group)] for key, values in batch.columns.items()},
-            group_size=group,
-            temperature=self.cfg.temperature,
-        )
+        return rollout_from(batch, group, completion_ids, self.tokenizer, self.cfg.temperature)
 
     def greedy(self, policy, batch: PromptBatch) -> list[str]:
         """One greedy completion per prompt (for eval)."""
