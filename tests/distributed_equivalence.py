@@ -50,7 +50,10 @@ def main() -> None:
     place = join_process_group(mode)
     cfg = config(model_dir, f"data.prompts_per_step={PROMPTS}", f"sampler.group_size={GROUP}",
                  "sampler.max_new_tokens=6", "trainer.micro_batch_size=4", f"trainer.loss_aggregation={aggregation}",
-                 "optimizer.lr=1e-3", "optimizer.max_grad_norm=0")
+                 "optimizer.lr=1e-3", "optimizer.max_grad_norm=0",
+                 # torchrun runs one pass per completion (update.py); so does the whole-batch
+                 # process, so the two agree to the last bits rather than to float rounding.
+                 "trainer.share_prompt_pass=false")
     torch.manual_seed(0)
     models = load_models(cfg.model, 0.0, torch.device("cpu"))
     batch = PromptSource(cfg.data, models.tokenizer).next_batch()

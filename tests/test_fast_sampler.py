@@ -13,7 +13,7 @@ import torch
 from grpo_cli.models import load_models
 from grpo_cli.prompts import PromptSource
 from grpo_cli.sampling import make_sampler
-from grpo_cli.sampling.fast import FastSampler, draw, next_token_scores, runs_layer_by_layer
+from grpo_cli.sampling.fast import FastSampler, draw, next_token_scores, runs_layer_by_layer, single_query_attention
 from grpo_cli.sampling.hf import HFSampler
 from helpers import config
 
@@ -58,6 +58,22 @@ def setup(tiny_model_dir, backend, *overrides):
     return cfg, models, make_sampler(cfg.sampler, models.tokenizer)
 
 
+@pytest.mark.parametrize("kv_heads", [4, 2, 1])
+def test_single_query_attention_equals_sdpa(kv_heads):
+    # One query per sequence over 7 cached positions, 4 query heads sharing kv_heads key heads
+    # (grouped-query attention), the first two positions of row 1 padding.
+    torch.manual_seed(0)
+    query, key, value = torch.randn(3, 4, 1, 8), torch.randn(3, kv_heads, 7, 8), torch.randn(3, kv_heads, 7, 8)
+    keep = torch.ones(3, 7, dtype=torch.bool)
+    keep[1, :2] = False
+    bias = torch.zeros(3, 7).masked_fill(~keep, -torch.inf)[:, None, None]  # [3, 1, 1, 7]
+    out, _ = single_query_attention(None, query, key, value, bias, scaling=0.3)
+    expected = torch.nn.functional.scaled_dot_product_attention(
+        query, key.repeat_interleave(4 // kv_heads, dim=1), value.repeat_interleave(4 // kv_heads, dim=1),
+        attn_mask=keep[:, None, None], scale=0.3)  # [3, 4, 1, 8]
+    assert out.shape == (3, 1, 4, 8) and torch.allclose(out, expected.transpose(1, 2), atol=1e-6)
+
+
 def test_make_sampler_picks_the_backend(tiny_model_dir):
     assert isinstance(setup(tiny_model_dir, "fast")[2], FastSampler)
     assert isinstance(setup(tiny_model_dir, "hf")[2], HFSampler)
@@ -72,6 +88,7 @@ def test_greedy_completions_are_identical(tiny_model_dir, attention):
                                      f"model.attn_implementation={attention}")
         assert runs_layer_by_layer(models.policy, 64) == (attention == "sdpa")
         outputs[backend] = sampler.greedy(models.policy, PromptSource(cfg.data, models.tokenizer).next_batch())
+        assert models.policy.config._attn_implementation == attention  # the decode steps' own attention is undone
     assert outputs["fast"] == outputs["hf"] and len(set(outputs["hf"])) > 3
 
 

@@ -133,8 +133,12 @@ def test_same_seed_same_result_and_csv_input(tmp_path, tiny_model_dir):
 def test_trainer_resume_filters_with_a_training_runs_policy(tmp_path, tiny_model_dir):
     from grpo_cli.pipeline import run
 
+    # 8 prompts x G=4: some group's rewards differ, so the step has a gradient (with 2 prompts,
+    # every completion can be wrong: zero advantages, beta 0, an unchanged model).
     trained = run(config(tiny_model_dir, "trainer.steps=1", "data.eval_size=0", "trainer.beta=0",
-                         f"trainer.output_dir={tmp_path / 'run'}"))
+                         "data.prompts_per_step=8", f"trainer.output_dir={tmp_path / 'run'}"))
+    metrics = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert metrics[-1]["advantage/zero_std_fraction"] < 1.0
     data = write_jsonl(tmp_path / "mixed.jsonl", ROWS)
     base = filter_in_process(tmp_path, tiny_model_dir, data, tmp_path / "base.jsonl")
     latest = filter_in_process(tmp_path, tiny_model_dir, data, tmp_path / "latest.jsonl",

@@ -1,11 +1,14 @@
 """The embedded default visibly learns: `grpo-train` with no arguments, held-out greedy eval;
-and so does each advantage mode (docs/ALGORITHM.md quotes the numbers of these runs). The
-default samples with transformers' generate (sampler=hf), the other two with sampler=fast: both
-learn as the default does. (bfloat16 mixed precision learns too, docs/ALGORITHM.md, but runs 3x
+so does the default with transformers' generate as its sampler (sampler=hf; the default is
+sampler=fast, the same distribution), and each advantage mode (docs/ALGORITHM.md quotes the
+numbers of these runs). (bfloat16 mixed precision learns too, docs/ALGORITHM.md, but runs 3x
 slower than float32 on this CPU, too slow for CI.)
 
 Sampled reward alone is no proof (a policy can sharpen onto a shortcut such as always giving
 the most frequent answer); the bar is the greedy accuracy on the eval draw, before vs after.
+"After" is the mean of the last three evals (steps 500, 600, 700): a single one swings by up to
+0.3 from one eval to the next on this task (0.87 at step 600, 0.57 at 650 in one rloo run),
+and float rounding alone (another summation order) moves where a run lands in that swing.
 """
 
 from __future__ import annotations
@@ -17,15 +20,17 @@ from helpers import grpo_train
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("overrides", [[], ["algorithm=rloo", "sampler=fast"], ["algorithm=dr_grpo", "sampler=fast"]],
-                         ids=["grpo-default", "rloo", "dr_grpo"])
+@pytest.mark.parametrize("overrides", [[], ["sampler=hf"], ["algorithm=rloo"], ["algorithm=dr_grpo"]],
+                         ids=["grpo-default", "sampler-hf", "rloo", "dr_grpo"])
 def test_run_raises_greedy_eval_accuracy(tmp_path, tiny_model_dir, overrides):
     run_dir = tmp_path / "run"  # []: `grpo-train` as it comes
     result = grpo_train(*overrides, f"hydra.run.dir={run_dir}")
     rows = read_metrics(run_dir)
-    before, after = rows[0]["eval/accuracy"], rows[-1]["eval/accuracy"]
-    print(f"{' '.join(overrides) or 'default'}: greedy eval accuracy {before:.3f} -> {after:.3f}")
-    assert rows[-1]["step"] == 700
+    evals = {row["step"]: row["eval/accuracy"] for row in rows if "eval/accuracy" in row}
+    assert sorted(evals) == list(range(0, 701, 100))  # the tiny preset evaluates every 100 steps
+    before, after = evals[0], sum(evals[step] for step in (500, 600, 700)) / 3
+    print(f"{' '.join(overrides) or 'default'}: greedy eval accuracy {before:.3f} -> {after:.3f} (steps 500-700; "
+          f"every 100 steps: {', '.join(f'{evals[step]:.3f}' for step in sorted(evals))})")
     assert after >= 0.45 and after >= before + 0.25, result.stdout[-2000:]
     assert "greedy eval accuracy, before -> after" in result.stdout
 

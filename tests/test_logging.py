@@ -74,15 +74,15 @@ def test_eval_logs_pass_at_k_on_eval_steps(tensorboard_run):
 def test_pass_at_k_samples_a_training_steps_prompts_at_a_time(tmp_path, tiny_model_dir, monkeypatch):
     # 5 eval prompts x G: in generate calls of data.prompts_per_step = 2 prompts, as a training
     # step samples, so eval never needs more memory than the plan's sampling row.
-    from grpo_cli.sampling.hf import HFSampler
+    from grpo_cli.sampling.fast import FastSampler  # the default sampler
 
-    prompts_per_call, sample = [], HFSampler.sample
+    prompts_per_call, sample = [], FastSampler.sample
 
     def counting(self, policy, batch, group_size=None):
         prompts_per_call.append(batch.size)
         return sample(self, policy, batch, group_size)
 
-    monkeypatch.setattr(HFSampler, "sample", counting)
+    monkeypatch.setattr(FastSampler, "sample", counting)
     run(config(tiny_model_dir, "logger.tensorboard=false", "trainer.steps=1", "trainer.eval_pass_at_k=true",
                "data.eval_size=5", "trainer.checkpoint_every=0", f"trainer.output_dir={tmp_path}"))
     assert prompts_per_call == [2, 2, 1] + [2] + [2, 2, 1]  # eval before, the step, eval after

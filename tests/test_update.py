@@ -115,3 +115,80 @@ def test_a_beta_schedule_that_starts_at_zero_still_loads_the_reference(tiny_mode
     cfg = config(tiny_model_dir, "trainer.beta={start: 0.0, end: 0.05, warmup_steps: 10}")
     models, _, stats, _, _ = one_step(cfg)
     assert models.uses_kl and stats.kl == 0.0  # beta 0 at step 0, policy == reference on pass 1
+
+
+def encoder_batches(model) -> tuple[list[int], object]:
+    """Record the batch size of every decoder forward of `model` (returns the list, the hook)."""
+    sizes: list[int] = []
+    decoder = model.get_base_model().model if hasattr(model, "get_base_model") else model.model
+    hook = decoder.register_forward_pre_hook(lambda module, args, kwargs: sizes.append(kwargs["input_ids"].shape[0]),
+                                             with_kwargs=True)
+    return sizes, hook
+
+
+def grouped_rows(tokenizer, group_size: int):
+    """Two prompts of different lengths (so one is left-padded), each repeated group_size
+    times, with random completions of 5 tokens, the second group's ending early."""
+    encoded = tokenizer(["3 + 4 =", "12 + 30 + 7 ="], padding=True, return_tensors="pt")
+    prompt_ids = encoded.input_ids.repeat_interleave(group_size, dim=0)
+    prompt_mask = encoded.attention_mask.repeat_interleave(group_size, dim=0)
+    generator = torch.Generator().manual_seed(0)
+    completion_ids = torch.randint(5, len(tokenizer), (prompt_ids.shape[0], 5), generator=generator)
+    completion_mask = torch.ones_like(completion_ids)
+    completion_mask[group_size:, 3:] = 0
+    return prompt_ids, prompt_mask, completion_ids, completion_mask
+
+
+@pytest.mark.parametrize("lora", [False, True])
+def test_one_prompt_pass_per_group_gives_the_numbers_of_one_pass_per_completion(tiny_model_dir, lora):
+    # trainer.share_prompt_pass: each group's prompt runs once (batch 2, then the 8 completions
+    # on its cached keys and values) instead of 8 times; log-probs, entropies and gradients equal
+    # the plain pass's up to float rounding.
+    models = load_models(config(tiny_model_dir, f"model.lora.enabled={lora}").model, 0.0, torch.device("cpu"))
+    policy = models.policy
+    policy.train()
+    rows = grouped_rows(models.tokenizer, group_size=4)
+    results = {}
+    for group_size in (1, 4):
+        sizes, hook = encoder_batches(policy)
+        log_probs, entropy = completion_log_probs(policy, *rows, 0.7, True, group_size)
+        hook.remove()
+        (log_probs * rows[3]).sum().backward()
+        grads = [p.grad.clone() for p in policy.parameters() if p.requires_grad]
+        policy.zero_grad(set_to_none=True)
+        results[group_size] = (sizes, log_probs.detach(), entropy, grads)
+    (plain_sizes, plain, plain_entropy, plain_grads), (shared_sizes, shared, shared_entropy, shared_grads) = (
+        results[1], results[4])
+    assert plain_sizes == [8] and shared_sizes == [2, 8]
+    assert torch.allclose(shared, plain, atol=1e-5) and torch.allclose(shared_entropy, plain_entropy, atol=1e-5)
+    for shared_grad, plain_grad in zip(shared_grads, plain_grads):  # float32 sums in another order
+        assert (shared_grad - plain_grad).norm() <= 1e-5 * plain_grad.norm()
+
+
+def test_the_prompt_pass_is_not_shared_when_prompts_differ_or_gradients_are_checkpointed(tiny_model_dir):
+    models = load_models(config(tiny_model_dir, "model.gradient_checkpointing=true").model, 0.0,
+                         torch.device("cpu"))
+    policy = models.policy
+    policy.train()
+    prompt_ids, prompt_mask, completion_ids, completion_mask = grouped_rows(models.tokenizer, group_size=4)
+    sizes, hook = encoder_batches(policy)
+    with torch.no_grad():  # no gradients: the cache is kept, the prompt pass shared
+        completion_log_probs(policy, prompt_ids, prompt_mask, completion_ids, completion_mask, group_size=4)
+        # groups of 2 would mix two prompts in the middle group: one pass per completion
+        completion_log_probs(policy, prompt_ids[2:], prompt_mask[2:], completion_ids[2:], completion_mask[2:],
+                             group_size=4)
+    # gradient checkpointing drops the cache of a forward with gradients: one pass per completion
+    completion_log_probs(policy, prompt_ids, prompt_mask, completion_ids, completion_mask, group_size=4)
+    hook.remove()
+    assert sizes == [2, 8, 6, 8]
+
+
+def test_an_update_with_the_shared_prompt_pass_equals_one_without(tiny_model_dir):
+    stats = {}
+    for shared in (True, False):
+        cfg = config(tiny_model_dir, f"trainer.share_prompt_pass={shared}", "trainer.beta=0.04",
+                     "trainer.micro_batch_size=4")
+        stats[shared] = one_step(cfg)[2]
+    assert stats[True].loss == pytest.approx(stats[False].loss, rel=1e-4, abs=1e-6)
+    assert stats[True].grad_norm == pytest.approx(stats[False].grad_norm, rel=1e-4)
+    assert stats[True].kl == pytest.approx(stats[False].kl, rel=1e-3, abs=1e-7)

@@ -134,7 +134,7 @@ class AdaptiveGroupConfig:
 
 @dataclass
 class SamplerConfig:
-    backend: str = "hf"
+    backend: str = "fast"
     """hf (transformers' generate) | fast (our decode loop, the same distribution: sampling/fast.py)."""
     group_size: int = 8
     """G, completions sampled per prompt. Group statistics need at least 2."""
@@ -227,6 +227,11 @@ class TrainerConfig:
     """mu: optimizer passes over each generation batch (old log-probs are computed once, before)."""
     micro_batch_size: int = 0
     """Completions per forward/backward pass (gradient accumulation); 0 = the whole step at once."""
+    share_prompt_pass: bool = True
+    """Run each prompt through the model once for its G completions in the update and reference
+    passes (its keys and values shared by the group), where every micro-batch holds whole
+    groups; the same numbers up to float rounding. Off under torchrun and with gradient
+    checkpointing; false = every completion re-encodes its prompt, as TRL does."""
     std_eps: float = 1e-4
     """Added to the std before dividing: A = (r - mean) / (std + std_eps)."""
     std_threshold: float = 1e-4

@@ -17,7 +17,10 @@ The pure core is `next_token_scores` (the distribution) and `draw` (one token pe
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
+from transformers import AttentionInterface
 from transformers.cache_utils import DynamicLayer
 
 from grpo_cli.config import SamplerConfig
@@ -87,6 +90,44 @@ class PreallocatedLayer(DynamicLayer):
         return self.keys, self.values
 
 
+SINGLE_QUERY_ATTENTION = "grpo_cli_single_query"
+
+
+def single_query_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                           attention_mask: torch.Tensor, dropout: float = 0.0, scaling: float | None = None,
+                           **kwargs) -> tuple[torch.Tensor, None]:
+    """Attention of one new token per sequence over its keys and values, as two batched matmuls:
+    query [N, H, 1, d], key and value [N, KV, L, d] (KV divides H: grouped-query attention),
+    attention_mask [N, 1, 1, L] additive (0 = attend, -inf = padding). Returns ([N, 1, H, d],
+    None), the layout transformers' attention functions return. On a CPU decode step this costs
+    about a third of sdpa's kernel, which is built for many queries."""
+    count, heads, _, dim = query.shape
+    kv_heads = key.shape[1]
+    scaling = dim**-0.5 if scaling is None else scaling
+    grouped = query.view(count, kv_heads, heads // kv_heads, dim)  # the query heads that share a key head
+    scores = torch.matmul(grouped, key.transpose(-1, -2)).float() * scaling + attention_mask  # [N, KV, H/KV, L]
+    attended = torch.matmul(scores.softmax(dim=-1).to(value.dtype), value)  # [N, KV, H/KV, d]
+    return attended.view(count, 1, heads, dim), None
+
+
+AttentionInterface.register(SINGLE_QUERY_ATTENTION, single_query_attention)
+
+
+class AttentionImplementation:
+    """A reusable `with` block within which the policy's attention layers call the attention
+    function registered as `name`; the model's own choice is back in force outside it."""
+
+    def __init__(self, policy, name: str):
+        self.config = (policy.get_base_model() if hasattr(policy, "get_base_model") else policy).config
+        self.name, self.previous = name, self.config._attn_implementation
+
+    def __enter__(self):
+        self.config._attn_implementation = self.name
+
+    def __exit__(self, *exc):
+        self.config._attn_implementation = self.previous
+
+
 def runs_layer_by_layer(policy, capacity: int) -> bool:
     """Whether one_token_forward runs `policy` layer by layer: a Qwen2/Llama-style decoder
     (embed_tokens, rotary_emb, layers, norm) with sdpa attention over every position of
@@ -106,8 +147,9 @@ def one_token_forward(policy, attention: torch.Tensor, cache, layer_by_layer: bo
 
     A Qwen2/Llama-style decoder with sdpa attention is run layer by layer, with its attention
     mask made once: the model's forward would rebuild the mask, and pass through its output
-    wrappers, at every token (`layer_by_layer`, where runs_layer_by_layer allows it). Otherwise
-    the model's own forward."""
+    wrappers, at every token (`layer_by_layer`, where runs_layer_by_layer allows it); call it
+    within AttentionImplementation(policy, SINGLE_QUERY_ATTENTION). Otherwise the model's own
+    forward."""
     if not layer_by_layer:
         def forward(tokens: torch.Tensor, positions: torch.Tensor, length: int) -> torch.Tensor:
             return policy(input_ids=tokens[:, None], attention_mask=attention[:, :length], position_ids=positions,
@@ -116,7 +158,8 @@ def one_token_forward(policy, attention: torch.Tensor, cache, layer_by_layer: bo
 
     model = policy.get_base_model() if hasattr(policy, "get_base_model") else policy  # peft: LoRA stays on
     decoder, config = model.model, model.config
-    keep = attention.bool()[:, None, None, :]  # [N, 1, 1, P + T]: sdpa's boolean mask, True = attend
+    # [N, 1, 1, P + T]: 0 where a position may be attended, -inf on padding (single_query_attention)
+    keep = torch.zeros(attention.shape, device=attention.device).masked_fill_(attention == 0, -torch.inf)[:, None, None]
     layers, head = decoder.layers[: config.num_hidden_layers], model.get_output_embeddings()
 
     def forward(tokens: torch.Tensor, positions: torch.Tensor, length: int) -> torch.Tensor:
@@ -155,6 +198,9 @@ class FastSampler:
         completion's EOS come pad tokens. prompt_ids, prompt_mask: [B, P], left-padded."""
         cfg, eos, pad = self.cfg, self.tokenizer.eos_token_id, self.tokenizer.pad_token_id
         device = next(policy.parameters()).device
+        # FSDP (synced) gathers the weights in the model's own forward: no layer-by-layer there
+        direct = not self.synced and runs_layer_by_layer(policy, prompt_ids.shape[1] + cfg.max_new_tokens)
+        attending = AttentionImplementation(policy, SINGLE_QUERY_ATTENTION) if direct else contextlib.nullcontext()
         was_training = policy.training
         policy.eval()  # no dropout; also lets a checkpointed model use its KV cache
         try:
@@ -171,8 +217,6 @@ class FastSampler:
                 # Every position a completion can reach: its prompt's padding, then its own tokens.
                 attention = torch.cat([prompt_mask.repeat_interleave(copies, dim=0),
                                        prompt_mask.new_ones(count, cfg.max_new_tokens)], dim=1)  # [N, P + T]
-                # FSDP (synced) gathers the weights in the model's own forward: no layer-by-layer there
-                direct = not self.synced and runs_layer_by_layer(policy, attention.shape[1])
                 one_token = one_token_forward(policy, attention, cache, direct)
                 next_position = positions[:, -1:].repeat_interleave(copies, dim=0) + 1  # [N, 1]
                 completions = torch.full((count, cfg.max_new_tokens), pad, dtype=torch.long, device=device)
@@ -187,7 +231,8 @@ class FastSampler:
                     running &= tokens != eos
                     if step == cfg.max_new_tokens - 1 or not self._any_running(running):
                         break
-                    logits = one_token(tokens, next_position, length + step + 1)
+                    with attending:  # the decode steps only: the prompt pass above ran sdpa
+                        logits = one_token(tokens, next_position, length + step + 1)
                     next_position = next_position + 1
         finally:
             policy.train(was_training)
