@@ -4,6 +4,7 @@ model, prompts and settings; and our sampler against transformers' generate.
     pip install -e '.[bench]'          # TRL >= 1.16
     python scripts/bench_step.py                       # both sizes, float32, 8 timed steps each
     python scripts/bench_step.py --bf16                # bfloat16 mixed precision on both sides
+    python scripts/bench_step.py --phases              # our step phase by phase, against its floor
 
 Settings (issue 9): 8 prompts x G = 8, 64 new tokens with min_new_tokens = 64 (every completion
 the same length), beta = 0.04 (a reference pass), num_iterations = 1, one optimizer step per
@@ -321,6 +322,75 @@ def compare_samplers(size: str, repeats: int, bf16: bool) -> dict[str, float]:
             "speedup": medians["hf"] / medians["fast"]}
 
 
+def matmul_rate(rows: int, inner: int, outer: int, repeats: int = 20) -> float:
+    """Median float32 GFLOP/s of a [rows, inner] x [inner, outer] matmul on this machine."""
+    import torch
+
+    left, right = torch.randn(rows, inner), torch.randn(inner, outer)
+    times = []
+    for _ in range(repeats + 3):
+        started = time.perf_counter()
+        left @ right
+        times.append(time.perf_counter() - started)
+    return 2 * rows * inner * outer / statistics.median(times[3:]) / 1e9
+
+
+def phase_times(size: str, repeats: int) -> list[tuple[str, float, float]]:
+    """Our step phase by phase, on the stages' own functions: [(phase, median seconds, floor
+    seconds)]. The floor is the phase's matmul work (2 x weights x tokens through the decoder
+    and the head, twice that for the backward; attention left out) at the float32 rate this
+    machine reaches on a large matmul of the model's MLP shape."""
+    import torch
+
+    from grpo_cli.losses import LossSettings, StepSize, grpo_loss
+    from grpo_cli.models import reference_model
+    from grpo_cli.update import completion_log_probs
+
+    side = OurSide(bench_model(size), "fast")
+    parts = side.parts
+    models, policy = parts.models, parts.models.policy
+    side.step()  # warm-up
+    times: dict[str, list[float]] = {name: [] for name in ("sampling", "reference pass", "policy forward",
+                                                           "backward", "optimizer step")}
+    for _ in range(repeats):
+        marks = [time.perf_counter()]
+        rollout = parts.sampler.sample(policy, parts.prompts.next_batch(), GROUP)
+        marks.append(time.perf_counter())
+        rows = (rollout.prompt_ids, rollout.prompt_mask, rollout.completion_ids, rollout.completion_mask, 1.0)
+        with torch.no_grad(), reference_model(models) as reference:
+            reference_log_probs, _ = completion_log_probs(reference, *rows, False, GROUP)
+        marks.append(time.perf_counter())
+        policy.train()
+        log_probs, _ = completion_log_probs(policy, *rows, True, GROUP)
+        settings = LossSettings(clip_eps=0.2, clip_eps_high=0.2, beta=BETA)
+        step_size = StepSize(log_probs.shape[0], int(rollout.completion_mask.sum()), NEW_TOKENS)
+        loss, _ = grpo_loss(log_probs, log_probs.detach(), reference_log_probs, torch.randn(log_probs.shape[0]),
+                            rollout.completion_mask, settings, step_size)
+        marks.append(time.perf_counter())
+        loss.backward()
+        marks.append(time.perf_counter())
+        torch.nn.utils.clip_grad_norm_(list(policy.parameters()), 1.0)
+        parts.optimizer.step()
+        parts.optimizer.zero_grad(set_to_none=True)
+        marks.append(time.perf_counter())
+        for name, start, end in zip(times, marks, marks[1:]):
+            times[name].append(end - start)
+
+    config = policy.config
+    head = config.hidden_size * config.vocab_size
+    decoder = sum(p.numel() for name, p in policy.named_parameters() if ".layers." in name)
+    prompts, prompt_length = PROMPTS, rollout.prompt_ids.shape[1]
+    count = prompts * GROUP
+    # Tokens through the decoder: each prompt once (sampling and the shared update passes), then
+    # every completion token but the last; the head runs on every scored position.
+    tokens = prompts * prompt_length + count * (NEW_TOKENS - 1)
+    forward_flops = 2 * decoder * tokens + 2 * head * count * NEW_TOKENS
+    rate = matmul_rate(4096, config.hidden_size, config.intermediate_size) * 1e9
+    floors = {"sampling": forward_flops, "reference pass": forward_flops, "policy forward": forward_flops,
+              "backward": 2 * forward_flops, "optimizer step": 0}
+    return [(name, statistics.median(values), floors[name] / rate) for name, values in times.items()]
+
+
 def machine() -> str:
     import torch
     import transformers
@@ -340,6 +410,8 @@ def main() -> None:
     parser.add_argument("--sampler", default="fast", choices=("fast", "hf"), help="our sampler backend")
     parser.add_argument("--bf16", action="store_true",
                         help="bfloat16 mixed precision on both sides (ours: model.autocast=bfloat16; TRL: bf16=True)")
+    parser.add_argument("--phases", action="store_true",
+                        help="only our step, phase by phase, against each phase's matmul floor (no TRL)")
     parser.add_argument("--json", type=Path, help="also write the results here")
     args = parser.parse_args()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -347,6 +419,14 @@ def main() -> None:
     import tempfile
 
     print(f"# {' '.join(sys.argv)}\n# {machine()}")
+    if args.phases:
+        for size in args.size or ["tiny", "small"]:
+            phases = phase_times(size, args.steps)
+            total, floor = sum(row[1] for row in phases), sum(row[2] for row in phases)
+            for name, seconds, phase_floor in phases + [("step", total, floor)]:
+                against = f"{seconds / phase_floor:.2f}x its floor" if phase_floor else "-"
+                print(f"{size} {name}: {seconds:.3f} s, floor {phase_floor:.3f} s, {against}", flush=True)
+        return
     results = []
     for size in args.size or ["tiny", "small"]:
         bench_model(size)  # built once, before the workers start

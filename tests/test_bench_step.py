@@ -17,3 +17,15 @@ def test_one_step_per_side_runs_and_is_timed(tmp_path):
         assert numbers["median_seconds"] > numbers["median_generate_seconds"] > 0
         assert numbers["generate_tokens_per_second"] > 0 and numbers["peak_rss_gb"] > 0.1
     assert summary["ratio"] > 0
+
+
+@pytest.mark.slow  # about 15 s: the tiny bench model, one warm-up step and one timed step
+def test_the_phase_by_phase_timing_covers_the_step_and_has_floors():
+    bench = load_script("bench_step")
+    phases = dict((name, (seconds, floor)) for name, seconds, floor in bench.phase_times("tiny", repeats=1))
+    assert list(phases) == ["sampling", "reference pass", "policy forward", "backward", "optimizer step"]
+    assert all(seconds > 0 for seconds, _ in phases.values())
+    # The backward does twice the forward's matmul work; sampling, the reference pass and the
+    # policy forward each run every token once.
+    assert phases["backward"][1] == pytest.approx(2 * phases["policy forward"][1])
+    assert phases["sampling"][1] == phases["reference pass"][1] > 0
