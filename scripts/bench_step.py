@@ -5,6 +5,7 @@ model, prompts and settings; and our sampler against transformers' generate.
     python scripts/bench_step.py                       # both sizes, float32, 8 timed steps each
     python scripts/bench_step.py --bf16                # bfloat16 mixed precision on both sides
     python scripts/bench_step.py --phases              # our step phase by phase, against its floor
+    python scripts/bench_step.py --profile --size tiny # torch.profiler's table of one of our steps
 
 Settings (issue 9): 8 prompts x G = 8, 64 new tokens with min_new_tokens = 64 (every completion
 the same length), beta = 0.04 (a reference pass), num_iterations = 1, one optimizer step per
@@ -322,11 +323,12 @@ def compare_samplers(size: str, repeats: int, bf16: bool) -> dict[str, float]:
             "speedup": medians["hf"] / medians["fast"]}
 
 
-def matmul_rate(rows: int, inner: int, outer: int, repeats: int = 20) -> float:
-    """Median float32 GFLOP/s of a [rows, inner] x [inner, outer] matmul on this machine."""
+def matmul_rate(rows: int, inner: int, outer: int, repeats: int = 20, dtype: str = "float32") -> float:
+    """Median GFLOP/s of a [rows, inner] x [inner, outer] matmul in `dtype` on this machine."""
     import torch
 
-    left, right = torch.randn(rows, inner), torch.randn(inner, outer)
+    left = torch.randn(rows, inner, dtype=getattr(torch, dtype))
+    right = torch.randn(inner, outer, dtype=getattr(torch, dtype))
     times = []
     for _ in range(repeats + 3):
         started = time.perf_counter()
@@ -391,6 +393,17 @@ def phase_times(size: str, repeats: int) -> list[tuple[str, float, float]]:
     return [(name, statistics.median(values), floors[name] / rate) for name, values in times.items()]
 
 
+def profile_step(size: str, rows: int = 15) -> str:
+    """torch.profiler's table of one of our steps after a warm-up: the ops by self CPU time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    side = OurSide(bench_model(size), "fast")
+    side.step()
+    with profile(activities=[ProfilerActivity.CPU]) as profiler:
+        side.step()
+    return profiler.key_averages().table(sort_by="self_cpu_time_total", row_limit=rows)
+
+
 def machine() -> str:
     import torch
     import transformers
@@ -412,6 +425,7 @@ def main() -> None:
                         help="bfloat16 mixed precision on both sides (ours: model.autocast=bfloat16; TRL: bf16=True)")
     parser.add_argument("--phases", action="store_true",
                         help="only our step, phase by phase, against each phase's matmul floor (no TRL)")
+    parser.add_argument("--profile", action="store_true", help="only torch.profiler's table of one of our steps")
     parser.add_argument("--json", type=Path, help="also write the results here")
     args = parser.parse_args()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -419,8 +433,16 @@ def main() -> None:
     import tempfile
 
     print(f"# {' '.join(sys.argv)}\n# {machine()}")
+    if args.profile:
+        for size in args.size or ["tiny", "small"]:
+            print(f"{size}:\n{profile_step(size)}", flush=True)
+        return
     if args.phases:
         for size in args.size or ["tiny", "small"]:
+            config = json.loads((bench_model(size) / "config.json").read_text())
+            shape = (4096, config["hidden_size"], config["intermediate_size"])
+            print(f"{size} matmul {shape[0]}x{shape[1]} @ {shape[1]}x{shape[2]}: "
+                  f"float32 {matmul_rate(*shape):.0f} GFLOP/s, bfloat16 {matmul_rate(*shape, dtype='bfloat16'):.0f} GFLOP/s")
             phases = phase_times(size, args.steps)
             total, floor = sum(row[1] for row in phases), sum(row[2] for row in phases)
             for name, seconds, phase_floor in phases + [("step", total, floor)]:

@@ -192,3 +192,37 @@ def test_an_update_with_the_shared_prompt_pass_equals_one_without(tiny_model_dir
     assert stats[True].loss == pytest.approx(stats[False].loss, rel=1e-4, abs=1e-6)
     assert stats[True].grad_norm == pytest.approx(stats[False].grad_norm, rel=1e-4)
     assert stats[True].kl == pytest.approx(stats[False].kl, rel=1e-3, abs=1e-7)
+
+
+def test_a_micro_batch_keeps_only_the_columns_its_rows_use():
+    # Prompts left-padded to 3 columns, the first used by neither row; completions padded to 3
+    # positions, the longest of these rows ending (EOS = 9) at the second.
+    from grpo_cli.update import micro_batch
+
+    prompt_ids, prompt_mask = torch.tensor([[0, 0, 5], [0, 6, 7], [4, 4, 4]]), torch.tensor([[0, 0, 1], [0, 1, 1], [1, 1, 1]])
+    completion_ids, mask = torch.tensor([[9, 0, 0], [3, 9, 0], [3, 3, 3]]), torch.tensor([[1, 0, 0], [1, 1, 0], [1, 1, 1]])
+    batch = micro_batch(slice(0, 2), prompt_ids, prompt_mask, completion_ids, mask, mask * 0, torch.tensor([1.0, -1.0, 0.5]))
+    assert batch.prompt_ids.tolist() == [[0, 5], [6, 7]] and batch.prompt_mask.tolist() == [[0, 1], [1, 1]]
+    assert batch.completion_ids.tolist() == [[9, 0], [3, 9]] and batch.mask.tolist() == [[1, 0], [1, 1]]
+    assert batch.loss_mask.tolist() == [[0, 0], [0, 0]] and batch.advantages.tolist() == [1.0, -1.0]
+    whole = micro_batch(slice(0, 3), prompt_ids, prompt_mask, completion_ids, mask, mask, torch.zeros(3))
+    assert whole.prompt_ids.shape == (3, 3) and whole.completion_ids.shape == (3, 3)  # nothing to cut
+
+
+def test_micro_batches_of_different_widths_add_up_to_the_whole_step(tiny_model_dir):
+    # Each micro-batch is cut to its own longest completion (and its prompts' padding); the loss,
+    # KL, entropy and gradient of the step are those of the step in one piece.
+    stats = {}
+    for micro in (0, 2):
+        cfg = config(tiny_model_dir, f"trainer.micro_batch_size={micro}", "trainer.beta=0.04",
+                     "sampler.max_new_tokens=8", "trainer.share_prompt_pass=false")
+        widths = []
+
+        def record_widths(rollout):
+            lengths = rollout.completion_mask.sum(dim=1)
+            widths.extend(int(lengths[start:start + 2].max()) for start in range(0, len(lengths), 2))
+
+        stats[micro] = one_step(cfg, record_widths)[2]
+    assert len(set(widths)) > 1  # the micro-batches really had different widths
+    for key in ("loss", "kl", "entropy", "grad_norm"):
+        assert getattr(stats[2], key) == pytest.approx(getattr(stats[0], key), rel=1e-4, abs=1e-6), key

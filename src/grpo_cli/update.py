@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+from typing import NamedTuple
 
 import torch
 
@@ -124,6 +125,31 @@ def shared_prompt_log_probs(
     return torch.cat(log_probs, dim=1), torch.cat(entropy, dim=1) if with_entropy else None
 
 
+class MicroBatch(NamedTuple):
+    """The rows of one forward/backward, cut to the columns they use: left padding that none of
+    its prompts has a token in, and positions after its longest completion's end (nothing
+    attends to either, and nothing there is scored)."""
+
+    prompt_ids: torch.Tensor  # [n, p] p <= P
+    prompt_mask: torch.Tensor  # [n, p]
+    completion_ids: torch.Tensor  # [n, t] t <= T: the longest completion of these rows
+    mask: torch.Tensor  # [n, t] completion tokens (1 up to and including EOS)
+    loss_mask: torch.Tensor  # [n, t] the tokens in the loss (mask, less truncated completions under mask_truncated)
+    advantages: torch.Tensor  # [n]
+
+
+def micro_batch(rows: slice, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, completion_ids: torch.Tensor,
+                mask: torch.Tensor, loss_mask: torch.Tensor, advantages: torch.Tensor) -> MicroBatch:
+    """MicroBatch of `rows` ([N, P] prompts, left-padded; [N, T] completions). Example: prompts
+    [[0, 0, 5], [0, 6, 7]] keep their last two columns; completion masks [[1, 0, 0], [1, 1, 0]]
+    their first two."""
+    used = prompt_mask[rows].any(dim=0)  # [P]
+    first = int(used.to(torch.uint8).argmax()) if bool(used.any()) else 0
+    width = max(int(mask[rows].sum(dim=1).max()), 1)  # the mask runs from position 0 to the EOS
+    return MicroBatch(prompt_ids[rows, first:], prompt_mask[rows, first:], completion_ids[rows, :width],
+                      mask[rows, :width], loss_mask[rows, :width], advantages[rows])
+
+
 def update_policy(
     models: Models,
     rollout: Rollout,
@@ -169,23 +195,25 @@ def update_policy(
     # DDP and FSDP expect one forward per backward.
     whole_groups = size % rollout.group_size == 0
     shared_group = rollout.group_size if trainer.share_prompt_pass and whole_groups and not place.enabled else 1
+    batches = [micro_batch(chunk, prompt_ids, prompt_mask, completion_ids, mask, loss_mask, advantage_values)
+               for chunk in chunks]
 
-    def log_probs_of(model, chunk, with_entropy=False):  # `model`: the policy, its DDP wrapper, or the reference
+    def log_probs_of(model, batch: MicroBatch, with_entropy=False):  # the policy, its DDP wrapper, or the reference
         here = next(model.parameters()).device  # a full fine-tune's reference may sit on the CPU
         with models.autocast():  # the forward only: the backward runs in the dtypes it chose
             log_probs, entropy = completion_log_probs(
-                model, prompt_ids[chunk].to(here), prompt_mask[chunk].to(here), completion_ids[chunk].to(here),
-                mask[chunk].to(here), rollout.temperature, with_entropy, shared_group,
+                model, batch.prompt_ids.to(here), batch.prompt_mask.to(here), batch.completion_ids.to(here),
+                batch.mask.to(here), rollout.temperature, with_entropy, shared_group,
             )
         return log_probs.to(device), entropy
 
     policy.train()
     with torch.no_grad():
-        reference = [None] * len(chunks)
+        reference = [None] * len(batches)
         if models.uses_kl:
             with reference_model(models) as ref:
-                reference = [log_probs_of(ref, chunk)[0] for chunk in chunks]
-        old = [log_probs_of(policy, chunk)[0] for chunk in chunks] if trainer.num_iterations > 1 else None
+                reference = [log_probs_of(ref, batch)[0] for batch in batches]
+        old = [log_probs_of(policy, batch)[0] for batch in batches] if trainer.num_iterations > 1 else None
 
     parameters = trainable_parameters(policy)
     totals = {"loss": 0.0, "kl_sum": 0.0, "clipped_high": 0.0, "clipped_low": 0.0, "tokens": 0.0}
@@ -194,21 +222,21 @@ def update_policy(
     for iteration in range(trainer.num_iterations):
         optimizer.zero_grad(set_to_none=True)  # nothing to free after a finished pass; a cut-off one
         pass_clipped, pass_tokens, pass_deviation = 0.0, 0.0, 0.0
-        for index, chunk in enumerate(chunks):
-            last_chunk = index == len(chunks) - 1
+        for index, batch in enumerate(batches):
+            last_batch = index == len(batches) - 1
             # DDP: gradients are exchanged once per pass, after the last micro-batch.
-            syncing = contextlib.nullcontext() if last_chunk or trained is policy else trained.no_sync()
+            syncing = contextlib.nullcontext() if last_batch or trained is policy else trained.no_sync()
             with syncing:
-                log_probs, entropy = log_probs_of(trained, chunk, with_entropy=iteration == 0)
+                log_probs, entropy = log_probs_of(trained, batch, with_entropy=iteration == 0)
                 old_log_probs = old[index] if old is not None else log_probs.detach()
                 loss, metrics = grpo_loss(
-                    log_probs, old_log_probs, reference[index], advantage_values[chunk], loss_mask[chunk],
+                    log_probs, old_log_probs, reference[index], batch.advantages, batch.loss_mask,
                     settings, step_size,
                 )
                 (loss * rank_scale).backward()
             totals["loss"] += loss.item()
             if entropy is not None:  # over every completion token, truncated or not
-                entropy_sum += (entropy * mask[chunk]).sum().item()
+                entropy_sum += (entropy * batch.mask).sum().item()
             for key in totals.keys() - {"loss"}:
                 totals[key] += float(metrics[key])
             pass_clipped += float(metrics["clipped_high"] + metrics["clipped_low"])
