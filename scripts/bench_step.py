@@ -6,6 +6,7 @@ model, prompts and settings; and our sampler against transformers' generate.
     python scripts/bench_step.py --bf16                # bfloat16 mixed precision on both sides
     python scripts/bench_step.py --phases              # our step phase by phase, against its floor
     python scripts/bench_step.py --profile --size tiny # torch.profiler's table of one of our steps
+    python scripts/bench_step.py --device cuda         # on a GPU: 0.5B and 1.5B shapes, bf16, our step alone
 
 Settings (issue 9): 8 prompts x G = 8, 64 new tokens with min_new_tokens = 64 (every completion
 the same length), beta = 0.04 (a reference pass), num_iterations = 1, one optimizer step per
@@ -45,7 +46,15 @@ BENCH_SIZES = {  # name -> Qwen2 shape
                  num_key_value_heads=2),
     "small": dict(hidden_size=512, intermediate_size=1152, num_hidden_layers=8, num_attention_heads=8,
                   num_key_value_heads=4),
+    # --device cuda: the decoder shapes of Qwen2.5-0.5B and -1.5B, randomly initialised, saved in
+    # bfloat16. The vocabulary is the bench tokenizer's (277, not 151,936), so the head is small.
+    "0.5b": dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
+                 num_key_value_heads=2),
+    "1.5b": dict(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12,
+                 num_key_value_heads=2),
 }
+GPU_SIZES = ("0.5b", "1.5b")
+BF16_PEAK_TFLOPS = {"H100": 989.4, "H200": 989.4, "A100": 312.0}  # dense bfloat16, by device name
 PROMPTS, GROUP, NEW_TOKENS, BETA, LR = 8, 8, 64, 0.04, 1e-5
 BUILD_VERSION = 1
 
@@ -69,6 +78,8 @@ def bench_model(size: str) -> Path:
                          eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
                          bos_token_id=None, **BENCH_SIZES[size])
     model = Qwen2ForCausalLM(config)
+    if size in GPU_SIZES:
+        model = model.to(torch.bfloat16)
     staging = folder.with_name(folder.name + f".tmp{os.getpid()}")
     model.save_pretrained(staging)
     tokenizer.save_pretrained(staging)
@@ -99,17 +110,17 @@ def peak_rss_bytes() -> int:
 # ---------------------------------------------------------------------------- our side
 
 
-def our_config(model_dir: Path, sampler: str, bf16: bool = False):
+def our_config(model_dir: Path, sampler: str, bf16: bool = False, device: str = "cpu", dtype: str = "float32"):
     from omegaconf import OmegaConf
 
     from grpo_cli.config import Config
 
     cfg = OmegaConf.structured(Config)
     cfg.merge_with_dotlist([
-        f"model.name_or_path={model_dir}", "model.dtype=float32", "data.path=synthetic:addition",
+        f"model.name_or_path={model_dir}", f"model.dtype={dtype}", "data.path=synthetic:addition",
         f"data.prompts_per_step={PROMPTS}", f"sampler.group_size={GROUP}", f"sampler.max_new_tokens={NEW_TOKENS}",
         f"sampler.min_new_tokens={NEW_TOKENS}", f"sampler.backend={sampler}", "sampler.temperature=1.0",
-        f"trainer.beta={BETA}", "trainer.num_iterations=1", "trainer.micro_batch_size=0", "trainer.device=cpu",
+        f"trainer.beta={BETA}", "trainer.num_iterations=1", "trainer.micro_batch_size=0", f"trainer.device={device}",
         "trainer.loss_aggregation=sequence_mean", f"optimizer.lr={LR}", "optimizer.max_grad_norm=1.0",
         "optimizer.weight_decay=0.0", "optimizer.warmup_steps=0", "trainer.steps=1000",
     ])
@@ -123,7 +134,7 @@ def our_reward(prompts, completions, answer, **_):
 
 
 class OurSide:
-    def __init__(self, model_dir: Path, sampler: str, bf16: bool = False):
+    def __init__(self, model_dir: Path, sampler: str, bf16: bool = False, device: str = "cpu", dtype: str = "float32"):
         import torch
 
         from grpo_cli.distributed import SINGLE
@@ -131,10 +142,10 @@ class OurSide:
         from grpo_cli.rewards.api import RewardScorer
 
         torch.manual_seed(0)
-        cfg = our_config(model_dir, sampler, bf16)
+        cfg = our_config(model_dir, sampler, bf16, device, dtype)
         rows = prompt_rows()
         self.parts = load_parts(cfg, RewardScorer.from_config(cfg.reward, cfg.trainer.std_eps), rows,
-                                torch.device("cpu"), SINGLE)
+                                torch.device(device), SINGLE)
         self.step_number = 0
 
     def step(self) -> dict[str, float]:
@@ -145,8 +156,9 @@ class OurSide:
         result = train_step(self.parts, self.step_number, GROUP, 1.0)
         seconds = time.perf_counter() - started
         metrics = result.metrics
-        return {"seconds": seconds, "generate_seconds": metrics["time/sample"],
-                "tokens": float(result.rollout.completion_mask.sum()), "loss": metrics["loss"]}
+        return {"seconds": seconds, "generate_seconds": metrics["time/sample"], "update_seconds": metrics["time/update"],
+                "tokens": float(result.rollout.completion_mask.sum()), "loss": metrics["loss"],
+                "prompt_length": result.rollout.prompt_ids.shape[1]}
 
 
 # ---------------------------------------------------------------------------- TRL's side
@@ -337,6 +349,49 @@ def matmul_rate(rows: int, inner: int, outer: int, repeats: int = 20, dtype: str
     return 2 * rows * inner * outer / statistics.median(times[3:]) / 1e9
 
 
+def step_forward_flops(policy, prompt_length: int) -> float:
+    """The matmul work of one forward over the bench step: 2 x weights x tokens through the
+    decoder layers, and the head on every scored position (attention left out). Tokens: each
+    prompt once (sampling and the shared update passes), then every completion token but the
+    last."""
+    config = policy.config
+    decoder = sum(p.numel() for name, p in policy.named_parameters() if ".layers." in name)
+    count = PROMPTS * GROUP
+    tokens = PROMPTS * prompt_length + count * (NEW_TOKENS - 1)
+    return 2 * decoder * tokens + 2 * config.hidden_size * config.vocab_size * count * NEW_TOKENS
+
+
+def device_figures(size: str, device: str, steps: int, peak_tflops: float, dtype: str = "bfloat16") -> dict[str, float]:
+    """Our step on `device` (--device cuda): median sampling tokens per second, update MFU
+    (the update's matmul work, reference pass + forward + backward = 4 forwards, per second, over
+    `peak_tflops`), and peak memory (CUDA: torch.cuda.max_memory_allocated; CPU: peak RSS)."""
+    import torch
+
+    side = OurSide(bench_model(size), "fast", device=device, dtype=dtype)
+    side.step()  # warm-up
+    cuda = device.startswith("cuda")
+    if cuda:
+        torch.cuda.reset_peak_memory_stats(device)
+    rows = [side.step() for _ in range(steps)]
+    update_seconds = statistics.median(row["update_seconds"] for row in rows)
+    update_flops = 4 * step_forward_flops(side.parts.models.policy, rows[-1]["prompt_length"])
+    return {
+        "step_seconds": statistics.median(row["seconds"] for row in rows),
+        "sampling_tokens_per_second": statistics.median(row["tokens"] / row["generate_seconds"] for row in rows),
+        "update_seconds": update_seconds,
+        "update_tflops": update_flops / update_seconds / 1e12,
+        "update_mfu": update_flops / update_seconds / (peak_tflops * 1e12),
+        "peak_memory_gb": (torch.cuda.max_memory_allocated(device) if cuda else peak_rss_bytes()) / 1e9,
+    }
+
+
+def bf16_peak_tflops(device: str) -> float | None:
+    import torch
+
+    name = torch.cuda.get_device_name(device)
+    return next((peak for key, peak in BF16_PEAK_TFLOPS.items() if key in name), None)
+
+
 def phase_times(size: str, repeats: int) -> list[tuple[str, float, float]]:
     """Our step phase by phase, on the stages' own functions: [(phase, median seconds, floor
     seconds)]. The floor is the phase's matmul work (2 x weights x tokens through the decoder
@@ -379,14 +434,7 @@ def phase_times(size: str, repeats: int) -> list[tuple[str, float, float]]:
             times[name].append(end - start)
 
     config = policy.config
-    head = config.hidden_size * config.vocab_size
-    decoder = sum(p.numel() for name, p in policy.named_parameters() if ".layers." in name)
-    prompts, prompt_length = PROMPTS, rollout.prompt_ids.shape[1]
-    count = prompts * GROUP
-    # Tokens through the decoder: each prompt once (sampling and the shared update passes), then
-    # every completion token but the last; the head runs on every scored position.
-    tokens = prompts * prompt_length + count * (NEW_TOKENS - 1)
-    forward_flops = 2 * decoder * tokens + 2 * head * count * NEW_TOKENS
+    forward_flops = step_forward_flops(policy, rollout.prompt_ids.shape[1])
     rate = matmul_rate(4096, config.hidden_size, config.intermediate_size) * 1e9
     floors = {"sampling": forward_flops, "reference pass": forward_flops, "policy forward": forward_flops,
               "backward": 2 * forward_flops, "optimizer step": 0}
@@ -417,7 +465,8 @@ def machine() -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--size", action="append", choices=sorted(BENCH_SIZES), help="repeatable; default both")
+    parser.add_argument("--size", action="append", choices=sorted(BENCH_SIZES),
+                        help="repeatable; default tiny and small (--device cuda: 0.5b and 1.5b)")
     parser.add_argument("--steps", type=int, default=8, help="timed steps per side, after the warm-up")
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--sampler", default="fast", choices=("fast", "hf"), help="our sampler backend")
@@ -426,6 +475,11 @@ def main() -> None:
     parser.add_argument("--phases", action="store_true",
                         help="only our step, phase by phase, against each phase's matmul floor (no TRL)")
     parser.add_argument("--profile", action="store_true", help="only torch.profiler's table of one of our steps")
+    parser.add_argument("--device", default="cpu",
+                        help="cuda: our step alone on the 0.5b and 1.5b shapes in bfloat16 (sampling tok/s, "
+                             "update MFU, peak GPU memory); cpu: the comparison with TRL")
+    parser.add_argument("--peak-tflops", type=float,
+                        help="the device's dense bfloat16 peak for MFU (known: " + ", ".join(BF16_PEAK_TFLOPS) + ")")
     parser.add_argument("--json", type=Path, help="also write the results here")
     args = parser.parse_args()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -433,6 +487,21 @@ def main() -> None:
     import tempfile
 
     print(f"# {' '.join(sys.argv)}\n# {machine()}")
+    if args.device != "cpu":
+        peak = args.peak_tflops or bf16_peak_tflops(args.device)
+        if peak is None:
+            parser.error(f"--peak-tflops is needed: the bfloat16 peak of {args.device} is not known here")
+        results = []
+        for size in args.size or list(GPU_SIZES):
+            figures = device_figures(size, args.device, args.steps, peak)
+            results.append({"size": size, "device": args.device, "peak_tflops": peak, **figures})
+            print(f"{size} on {args.device}: {figures['step_seconds']:.3f} s/step, sampling "
+                  f"{figures['sampling_tokens_per_second']:.0f} tok/s, update {figures['update_seconds']:.3f} s "
+                  f"({figures['update_tflops']:.1f} TFLOP/s, MFU {figures['update_mfu']:.1%} of {peak:g}), "
+                  f"peak memory {figures['peak_memory_gb']:.2f} GB", flush=True)
+        if args.json:
+            args.json.write_text(json.dumps(results, indent=2))
+        return
     if args.profile:
         for size in args.size or ["tiny", "small"]:
             print(f"{size}:\n{profile_step(size)}", flush=True)

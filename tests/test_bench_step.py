@@ -29,3 +29,16 @@ def test_the_phase_by_phase_timing_covers_the_step_and_has_floors():
     # policy forward each run every token once.
     assert phases["backward"][1] == pytest.approx(2 * phases["policy forward"][1])
     assert phases["sampling"][1] == phases["reference pass"][1] > 0
+
+
+@pytest.mark.slow  # about 15 s
+def test_the_device_figures_run_on_the_cpu_and_the_mfu_is_below_the_measured_matmul_rate():
+    # --device cuda's code path, on the CPU in float32: with this machine's own large-matmul
+    # rate as the peak, the update's utilisation must come out between 0 and 1 (a FLOP count
+    # several times too high would push it above).
+    bench = load_script("bench_step")
+    peak = bench.matmul_rate(4096, 256, 576) / 1e3  # TFLOP/s, the tiny model's MLP shape
+    figures = bench.device_figures("tiny", "cpu", steps=1, peak_tflops=peak, dtype="float32")
+    assert figures["sampling_tokens_per_second"] > 0 and figures["peak_memory_gb"] > 0.1
+    assert 0.05 < figures["update_mfu"] < 1.0
+    assert figures["step_seconds"] > figures["update_seconds"] > 0
