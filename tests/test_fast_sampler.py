@@ -165,3 +165,26 @@ def test_first_and_second_token_frequencies_match_generate(tiny_model_dir):
     # The test can fail: the same sampler at temperature 0.7 is told apart.
     colder = token_counts(tiny_model_dir, "fast", 0.7, samples, seed=3)
     assert homogeneity_p_value(hf[1], colder[1]) < 1e-6
+
+
+def test_with_generates_random_draw_the_fast_sampler_draws_the_very_same_tokens(tiny_model_dir, monkeypatch):
+    # Sampling is a distribution (the model's logits, the warpers) and a way to draw from it.
+    # Swap our inverse-CDF draw for the one generate uses (torch.multinomial on the softmax) and
+    # the two samplers, seeded alike, return the same tokens: the distribution is generate's,
+    # exactly, at every position of every completion; only the random stream differs.
+    import grpo_cli.sampling.fast as fast
+
+    def multinomial_draw(scores, greedy):
+        return scores.argmax(dim=-1) if greedy else torch.multinomial(scores.softmax(dim=-1), 1).squeeze(1)
+
+    completions = {}
+    for backend in ("hf", "fast"):
+        if backend == "fast":
+            monkeypatch.setattr(fast, "draw", multinomial_draw)
+        cfg, models, sampler = setup(tiny_model_dir, backend, "data.prompts_per_step=16", "sampler.group_size=8",
+                                     "sampler.max_new_tokens=8", "sampler.temperature=1.3", "sampler.top_k=40")
+        torch.manual_seed(0)
+        completions[backend] = sampler.sample(models.policy, PromptSource(cfg.data, models.tokenizer).next_batch())
+    assert completions["fast"].completions == completions["hf"].completions
+    assert torch.equal(completions["fast"].completion_mask, completions["hf"].completion_mask)
+    assert len(set(completions["hf"].completions)) > 20  # varied samples, not one repeated answer
