@@ -226,3 +226,25 @@ def test_micro_batches_of_different_widths_add_up_to_the_whole_step(tiny_model_d
     assert len(set(widths)) > 1  # the micro-batches really had different widths
     for key in ("loss", "kl", "entropy", "grad_norm"):
         assert getattr(stats[2], key) == pytest.approx(getattr(stats[0], key), rel=1e-4, abs=1e-6), key
+
+
+def test_a_model_without_a_repeatable_cache_takes_one_pass_per_completion(tiny_model_dir):
+    # A model whose output carries no cache of keys and values (another kind of state, say)
+    # cannot share its prompt pass: the log-probs come from the plain pass instead of failing.
+    models = load_models(config(tiny_model_dir).model, 0.0, torch.device("cpu"))
+
+    class NoCache(torch.nn.Module):
+        def __init__(self, inner):
+            super().__init__()
+            self.inner = inner
+
+        def forward(self, **kwargs):
+            output = self.inner(**kwargs)
+            output.cache = None
+            return output
+
+    rows = grouped_rows(models.tokenizer, group_size=4)
+    with torch.no_grad():
+        plain, _ = completion_log_probs(models.policy, *rows)
+        wrapped, _ = completion_log_probs(NoCache(models.policy), *rows, group_size=4)
+    assert torch.equal(wrapped, plain)

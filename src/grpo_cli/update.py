@@ -53,8 +53,10 @@ def completion_log_probs(
     # Left padding: positions count real tokens only, as `generate` numbered them when sampling.
     position_ids = (attention_mask.cumsum(dim=1) - 1).clamp(min=0)
     if group_size > 1 and keeps_cache(model) and one_prompt_per_group(prompt_ids, prompt_mask, group_size):
-        return shared_prompt_log_probs(model, input_ids, attention_mask, position_ids, prompt_ids.shape[1],
-                                       group_size, temperature, with_entropy)
+        shared = shared_prompt_log_probs(model, input_ids, attention_mask, position_ids, prompt_ids.shape[1],
+                                         group_size, temperature, with_entropy)
+        if shared is not None:
+            return shared
     length = completion_ids.shape[1]
     # [N, T + 1, V]: the last prompt position predicts the first completion token; the final
     # position (after the last token) is ignored by token_log_probs without slicing a copy.
@@ -96,8 +98,9 @@ def shared_prompt_log_probs(
     group_size: int,  # G
     temperature: float,
     with_entropy: bool,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """completion_log_probs with one prompt pass per group: [N, T] log-probs (and entropies).
+) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+    """completion_log_probs with one prompt pass per group: [N, T] log-probs (and entropies);
+    None for a model whose cache cannot be repeated per row (the caller takes the plain path).
 
     1. Each group's prompt, B = N / G rows, runs once, keeping its keys and values and the logits
        of its last position (which predict the first completion token).
@@ -111,7 +114,9 @@ def shared_prompt_log_probs(
     firsts = slice(0, None, group_size)  # the first row of each group
     prompt = model(input_ids=input_ids[firsts, :prompt_length], attention_mask=attention_mask[firsts, :prompt_length],
                    position_ids=position_ids[firsts, :prompt_length], use_cache=True, logits_to_keep=1)
-    cache = prompt.cache
+    cache = getattr(prompt, "cache", None)
+    if not hasattr(cache, "batch_repeat_interleave"):  # a model with another kind of state
+        return None
     cache.batch_repeat_interleave(group_size)
     first_logits = prompt.logits.repeat_interleave(group_size, dim=0)  # [N, 1, V]
     log_probs = [token_log_probs(first_logits, completion_ids[:, :1], temperature)]
