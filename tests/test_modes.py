@@ -117,12 +117,14 @@ def test_paged_optimizers_are_refused_on_the_cpu(tiny_model_dir):
 
 @pytest.fixture(scope="module")
 def lora_runs(tmp_path_factory, tiny_model_dir):
-    """A LoRA and a QLoRA run of 2 steps each, then resumed to 3."""
+    """A LoRA and a QLoRA run of 2 steps each, then resumed to 3. 8 prompts a step, so that some
+    group's rewards differ from the first step on (with 2, every completion can be wrong for
+    three steps: no advantage, an adapter still at 0, no KL, nothing trained)."""
     folders = {}
     for name, extra in (("lora", []), ("qlora", ["model.quantization=4bit"])):
         folder = tmp_path_factory.mktemp(name)
-        settings = [*LORA, *extra, "optimizer.lr=1e-2", "data.eval_size=4", "trainer.checkpoint_every=1",
-                    f"trainer.output_dir={folder}"]
+        settings = [*LORA, *extra, "optimizer.lr=1e-2", "data.prompts_per_step=8", "data.eval_size=4",
+                    "trainer.checkpoint_every=1", f"trainer.output_dir={folder}"]
         run(config(tiny_model_dir, *settings, "trainer.steps=2"))
         run(config(tiny_model_dir, *settings, "trainer.steps=3", "trainer.resume=true"))
         folders[name] = folder

@@ -10,7 +10,8 @@ as transformers' `generate` (`sampler=hf`), with less work per token:
   as generate's processors do them and in their order, without its per-step machinery;
 - each token runs through the decoder's layers directly, with the attention mask made once
   (the model's forward rebuilds it at every token), where the model allows it;
-- the loop runs under inference mode and stops as soon as every completion has ended.
+- the loop runs under inference mode (no-grad mode under FSDP) and stops as soon as every
+  completion has ended.
 
 The pure core is `next_token_scores` (the distribution) and `draw` (one token per row).
 """
@@ -203,8 +204,11 @@ class FastSampler:
         attending = AttentionImplementation(policy, SINGLE_QUERY_ATTENTION) if direct else contextlib.nullcontext()
         was_training = policy.training
         policy.eval()  # no dropout; also lets a checkpointed model use its KV cache
+        # FSDP gathers each layer's weights into buffers it writes in place in training too: made
+        # under inference mode, they could not be written outside it. No-grad mode there.
+        no_grad = torch.no_grad() if self.synced else torch.inference_mode()
         try:
-            with torch.inference_mode(), autocast_to(self.autocast, device):
+            with no_grad, autocast_to(self.autocast, device):
                 prompt_ids, prompt_mask = prompt_ids.to(device), prompt_mask.to(device)
                 positions = (prompt_mask.long().cumsum(dim=1) - 1).clamp(min=0)  # [B, P]; left padding
                 output = policy(input_ids=prompt_ids, attention_mask=prompt_mask, position_ids=positions,
