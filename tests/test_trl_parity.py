@@ -30,9 +30,13 @@ NEW_TOKENS = 4
 # numbers positions by real tokens (cumsum of the mask, as `generate` does), TRL passes no
 # position ids (0.. counting the pads). RoPE only sees relative positions, so the two are equal in
 # exact arithmetic; the rotations by other angles round differently (<= 1e-6 per log-prob on the
-# padded rows, bitwise equal on the others). Measured: <= 4.3e-7 relative for the loss and the
-# gradient norm.
-RTOL = 2e-6
+# padded rows, bitwise equal on the others). Our shared prompt pass (trainer.share_prompt_pass,
+# on) also sums each prompt's gradient over its group in another order than TRL's one pass per
+# completion. Measured on this rollout (sampled by sampler=fast): <= 1.5e-6 relative with the
+# shared pass, <= 1.8e-6 without it, for the loss and the gradient norm (<= 4.3e-7 on the
+# rollout sampler=hf drew); another CPU's kernels round in another order. A real difference of
+# the math (an aggregation, a KL term, a temperature) moves them by 1e-2 or more.
+RTOL = 5e-6
 
 
 @pytest.fixture(scope="module")
