@@ -349,15 +349,18 @@ def matmul_rate(rows: int, inner: int, outer: int, repeats: int = 20, dtype: str
     return 2 * rows * inner * outer / statistics.median(times[3:]) / 1e9
 
 
-def step_forward_flops(policy, prompt_length: int) -> float:
+def step_forward_flops(policy, prompt_length: int, shared: bool = True) -> float:
     """The matmul work of one forward over the bench step: 2 x weights x tokens through the
     decoder layers, and the head on every scored position (attention left out). Tokens: each
     prompt once (sampling and the shared update passes), then every completion token but the
-    last."""
+    last; `shared` False: each prompt once per completion, and every completion token."""
     config = policy.config
     decoder = sum(p.numel() for name, p in policy.named_parameters() if ".layers." in name)
     count = PROMPTS * GROUP
-    tokens = PROMPTS * prompt_length + count * (NEW_TOKENS - 1)
+    if shared:
+        tokens = PROMPTS * prompt_length + count * (NEW_TOKENS - 1)
+    else:
+        tokens = count * (prompt_length + NEW_TOKENS)
     return 2 * decoder * tokens + 2 * config.hidden_size * config.vocab_size * count * NEW_TOKENS
 
 
@@ -392,7 +395,7 @@ def bf16_peak_tflops(device: str) -> float | None:
     return next((peak for key, peak in BF16_PEAK_TFLOPS.items() if key in name), None)
 
 
-def phase_times(size: str, repeats: int) -> list[tuple[str, float, float]]:
+def phase_times(size: str, repeats: int, shared: bool = True) -> list[tuple[str, float, float]]:
     """Our step phase by phase, on the stages' own functions: [(phase, median seconds, floor
     seconds)]. The floor is the phase's matmul work (2 x weights x tokens through the decoder
     and the head, twice that for the backward; attention left out) at the float32 rate this
@@ -403,6 +406,7 @@ def phase_times(size: str, repeats: int) -> list[tuple[str, float, float]]:
     from grpo_cli.models import reference_model
     from grpo_cli.update import completion_log_probs
 
+    passes_per_group = GROUP if shared else 1  # completion_log_probs' group_size: 1 = a pass per completion
     side = OurSide(bench_model(size), "fast")
     parts = side.parts
     models, policy = parts.models, parts.models.policy
@@ -415,10 +419,10 @@ def phase_times(size: str, repeats: int) -> list[tuple[str, float, float]]:
         marks.append(time.perf_counter())
         rows = (rollout.prompt_ids, rollout.prompt_mask, rollout.completion_ids, rollout.completion_mask, 1.0)
         with torch.no_grad(), reference_model(models) as reference:
-            reference_log_probs, _ = completion_log_probs(reference, *rows, False, GROUP)
+            reference_log_probs, _ = completion_log_probs(reference, *rows, False, passes_per_group)
         marks.append(time.perf_counter())
         policy.train()
-        log_probs, _ = completion_log_probs(policy, *rows, True, GROUP)
+        log_probs, _ = completion_log_probs(policy, *rows, True, passes_per_group)
         settings = LossSettings(clip_eps=0.2, clip_eps_high=0.2, beta=BETA)
         step_size = StepSize(log_probs.shape[0], int(rollout.completion_mask.sum()), NEW_TOKENS)
         loss, _ = grpo_loss(log_probs, log_probs.detach(), reference_log_probs, torch.randn(log_probs.shape[0]),
@@ -434,9 +438,10 @@ def phase_times(size: str, repeats: int) -> list[tuple[str, float, float]]:
             times[name].append(end - start)
 
     config = policy.config
-    forward_flops = step_forward_flops(policy, rollout.prompt_ids.shape[1])
+    sampling_flops = step_forward_flops(policy, rollout.prompt_ids.shape[1])  # the sampler encodes each prompt once
+    forward_flops = step_forward_flops(policy, rollout.prompt_ids.shape[1], shared)
     rate = matmul_rate(4096, config.hidden_size, config.intermediate_size) * 1e9
-    floors = {"sampling": forward_flops, "reference pass": forward_flops, "policy forward": forward_flops,
+    floors = {"sampling": sampling_flops, "reference pass": forward_flops, "policy forward": forward_flops,
               "backward": 2 * forward_flops, "optimizer step": 0}
     return [(name, statistics.median(values), floors[name] / rate) for name, values in times.items()]
 
@@ -472,6 +477,8 @@ def main() -> None:
     parser.add_argument("--sampler", default="fast", choices=("fast", "hf"), help="our sampler backend")
     parser.add_argument("--bf16", action="store_true",
                         help="bfloat16 mixed precision on both sides (ours: model.autocast=bfloat16; TRL: bf16=True)")
+    parser.add_argument("--one-pass-per-completion", action="store_true",
+                        help="with --phases: the update passes as trainer.share_prompt_pass=false runs them")
     parser.add_argument("--phases", action="store_true",
                         help="only our step, phase by phase, against each phase's matmul floor (no TRL)")
     parser.add_argument("--profile", action="store_true", help="only torch.profiler's table of one of our steps")
@@ -512,7 +519,7 @@ def main() -> None:
             shape = (4096, config["hidden_size"], config["intermediate_size"])
             print(f"{size} matmul {shape[0]}x{shape[1]} @ {shape[1]}x{shape[2]}: "
                   f"float32 {matmul_rate(*shape):.0f} GFLOP/s, bfloat16 {matmul_rate(*shape, dtype='bfloat16'):.0f} GFLOP/s")
-            phases = phase_times(size, args.steps)
+            phases = phase_times(size, args.steps, shared=not args.one_pass_per_completion)
             total, floor = sum(row[1] for row in phases), sum(row[2] for row in phases)
             for name, seconds, phase_floor in phases + [("step", total, floor)]:
                 against = f"{seconds / phase_floor:.2f}x its floor" if phase_floor else "-"

@@ -29,6 +29,10 @@ def test_the_phase_by_phase_timing_covers_the_step_and_has_floors():
     # policy forward each run every token once.
     assert phases["backward"][1] == pytest.approx(2 * phases["policy forward"][1])
     assert phases["sampling"][1] == phases["reference pass"][1] > 0
+    # --one-pass-per-completion: each prompt G times through the update passes, so their floors
+    # rise above the sampler's, which still encodes each prompt once (one call, one measured rate).
+    unshared = dict((name, (seconds, floor)) for name, seconds, floor in bench.phase_times("tiny", 1, shared=False))
+    assert unshared["reference pass"][1] > 1.1 * unshared["sampling"][1]
 
 
 @pytest.mark.slow  # about 15 s

@@ -109,7 +109,7 @@ def shared_prompt_log_probs(
        (nothing after it is scored), run on top of them.
     Equal to the plain pass up to float rounding (tests/test_update.py). On the bench step (8
     prompts x 8 completions of 64 tokens after 12-token prompts) the reference pass, the forward
-    and the backward take 14-17% less time (docs/BENCHMARKS.md); longer prompts gain more."""
+    and the backward take 11-25% less time (docs/BENCHMARKS.md); longer prompts gain more."""
     completion_ids = input_ids[:, prompt_length:]  # [N, T]
     firsts = slice(0, None, group_size)  # the first row of each group
     prompt = model(input_ids=input_ids[firsts, :prompt_length], attention_mask=attention_mask[firsts, :prompt_length],
