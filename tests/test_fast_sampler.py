@@ -13,7 +13,8 @@ import torch
 from grpo_cli.models import load_models
 from grpo_cli.prompts import PromptSource
 from grpo_cli.sampling import make_sampler
-from grpo_cli.sampling.fast import FastSampler, draw, next_token_scores, runs_layer_by_layer, single_query_attention
+from grpo_cli.sampling.fast import (FastSampler, PackedLinears, draw, next_token_scores, packed_gemm_available,
+                                    runs_layer_by_layer, single_query_attention)
 from grpo_cli.sampling.hf import HFSampler
 from helpers import config
 
@@ -72,6 +73,70 @@ def test_single_query_attention_equals_sdpa(kv_heads):
         query, key.repeat_interleave(4 // kv_heads, dim=1), value.repeat_interleave(4 // kv_heads, dim=1),
         attn_mask=keep[:, None, None], scale=0.3)  # [3, 4, 1, 8]
     assert out.shape == (3, 1, 4, 8) and torch.allclose(out, expected.transpose(1, 2), atol=1e-6)
+
+
+needs_mkl = pytest.mark.skipif(not packed_gemm_available(), reason="this torch has no MKL packed GEMM")
+
+
+@needs_mkl
+def test_packed_linears_compute_the_layers_own_products_and_step_aside_after():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 24), torch.nn.Linear(24, 8, bias=False), torch.nn.Linear(8, 4))
+    hooked = model[2]
+    hooked.forward = lambda inputs: torch.zeros(inputs.shape[0], 4)  # a forward replaced by someone else
+    packed = PackedLinears(model, rows=5)
+    assert [module for module, _ in packed.forwards] == [model[0], model[1]]
+    for rows in (5, 3):  # the packed shape, and another that takes the plain GEMM
+        inputs = torch.randn(rows, 16)
+        with torch.inference_mode():
+            expected = model[1](model[0](inputs))
+            with packed:
+                assert "forward" in vars(model[0]) and "forward" in vars(model[1])
+                got = model[1](model[0](inputs))
+        torch.testing.assert_close(got, expected, rtol=1e-6, atol=1e-6)
+    assert "forward" not in vars(model[0]) and "forward" not in vars(model[1])  # the class's forward again
+    assert "forward" in vars(hooked)
+    # The weights packed are those of the block's making; an optimizer step needs a new block.
+    with torch.no_grad():
+        model[0].weight.add_(1.0)
+    ones = torch.ones(5, 16)
+    with torch.inference_mode(), PackedLinears(model, rows=5):
+        torch.testing.assert_close(model[0](ones), ones @ model[0].weight.T + model[0].bias)
+
+
+@needs_mkl
+def test_sampling_with_packed_weights_draws_the_same_tokens(tiny_model_dir, monkeypatch):
+    # The decode steps multiply by packed weights, made once per decode for B*G rows; the tokens
+    # are those of the plain GEMM, and the layers' own forward is back afterwards.
+    import grpo_cli.sampling.fast as fast
+
+    cfg, models, sampler = setup(tiny_model_dir, "fast", "data.prompts_per_step=8", "sampler.max_new_tokens=12",
+                                 "sampler.min_new_tokens=12")
+    batch = PromptSource(cfg.data, models.tokenizer).next_batch()
+    products = Counter()
+
+    def counted_packed_forward(weight, bias, rows):
+        forward = fast.packed_forward.__wrapped__(weight, bias, rows)
+        return lambda inputs: products.update([tuple(inputs.shape)]) or forward(inputs)
+
+    counted_packed_forward.__wrapped__ = fast.packed_forward
+    monkeypatch.setattr(fast, "packed_forward", counted_packed_forward)
+    completions = {}
+    for packing in (True, False):
+        monkeypatch.setattr(fast, "packed_gemm_available", lambda: packing)
+        torch.manual_seed(0)
+        completions[packing] = sampler.sample(models.policy, batch).completion_ids
+    layers = models.policy.config.num_hidden_layers
+    # 11 decode steps through 7 linear layers per decoder layer and the head, all with 8 x 4 rows
+    assert {shape[0] for shape in products} == {32}
+    assert sum(products.values()) == 11 * (7 * layers + 1)
+    assert torch.equal(completions[True], completions[False])
+    assert not any("forward" in vars(module) for module in models.policy.modules())
+    # Under autocast the layers must cast as autocast does: nothing is packed.
+    products.clear()
+    monkeypatch.setattr(fast, "packed_gemm_available", lambda: True)
+    make_sampler(cfg.sampler, models.tokenizer, autocast=torch.bfloat16).sample(models.policy, batch)
+    assert not products
 
 
 def test_make_sampler_picks_the_backend(tiny_model_dir):

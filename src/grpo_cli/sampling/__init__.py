@@ -31,14 +31,21 @@ def completion_mask(completion_ids: torch.Tensor, eos_token_id: int) -> tuple[to
     return mask, truncated
 
 
-def rollout_from(batch: PromptBatch, group: int, completion_ids: torch.Tensor, tokenizer,
-                 temperature: float) -> Rollout:
+def repeated_prompts(batch: PromptBatch, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The batch's prompt ids and mask, each row `group` times side by side: [B*G, P] each."""
+    return batch.input_ids.repeat_interleave(group, dim=0), batch.attention_mask.repeat_interleave(group, dim=0)
+
+
+def rollout_from(batch: PromptBatch, group: int, completion_ids: torch.Tensor, tokenizer, temperature: float,
+                 prompt_rows: tuple[torch.Tensor, torch.Tensor] | None = None) -> Rollout:
     """The Rollout of `group` completions per prompt of `batch`: completion_ids [B*G, T], rows
-    grouped by prompt (each prompt's G completions side by side), as both samplers return them."""
+    grouped by prompt (each prompt's G completions side by side), as both samplers return them.
+    prompt_rows: repeated_prompts(batch, group), where the sampler has made them already."""
     mask, truncated = completion_mask(completion_ids, tokenizer.eos_token_id)
+    prompt_ids, prompt_mask = prompt_rows if prompt_rows is not None else repeated_prompts(batch, group)
     return Rollout(
-        prompt_ids=batch.input_ids.repeat_interleave(group, dim=0),  # [B*G, P]
-        prompt_mask=batch.attention_mask.repeat_interleave(group, dim=0),
+        prompt_ids=prompt_ids,  # [B*G, P]
+        prompt_mask=prompt_mask,
         completion_ids=completion_ids,
         completion_mask=mask,
         truncated=truncated,

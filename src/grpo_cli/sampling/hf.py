@@ -7,7 +7,7 @@ import torch
 from grpo_cli.config import SamplerConfig
 from grpo_cli.models import autocast_to
 from grpo_cli.records import PromptBatch, Rollout
-from grpo_cli.sampling import rollout_from
+from grpo_cli.sampling import repeated_prompts, rollout_from
 
 
 class HFSampler:
@@ -48,17 +48,17 @@ class HFSampler:
     def sample(self, policy, batch: PromptBatch, group_size: int | None = None) -> Rollout:
         """G completions per prompt; G = sampler.group_size unless given (adaptive group size)."""
         group = group_size or self.cfg.group_size
+        prompt_rows = repeated_prompts(batch, group)  # [B*G, P] each: generate encodes every copy
         completion_ids = self._generate(
             policy,
-            batch.input_ids.repeat_interleave(group, dim=0),  # [B*G, P]: generate encodes each copy
-            batch.attention_mask.repeat_interleave(group, dim=0),
+            *prompt_rows,
             do_sample=True,
             temperature=self.cfg.temperature,
             top_p=self.cfg.top_p,
             top_k=self.cfg.top_k,  # 0 disables top-k (None would mean the model default, often 50)
             min_new_tokens=self.cfg.min_new_tokens,
         )
-        return rollout_from(batch, group, completion_ids, self.tokenizer, self.cfg.temperature)
+        return rollout_from(batch, group, completion_ids, self.tokenizer, self.cfg.temperature, prompt_rows)
 
     def greedy(self, policy, batch: PromptBatch) -> list[str]:
         """One greedy completion per prompt (for eval)."""
