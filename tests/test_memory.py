@@ -221,6 +221,26 @@ def test_beta_zero_or_lora_has_no_reference_and_a_schedule_uses_its_peak(tiny_mo
     assert on_gpu.held_bytes == on_cpu.held_bytes - 627_456 * 4 and "reference pass" not in on_gpu.phase_bytes
 
 
+@pytest.mark.parametrize("lora", [False, True])
+def test_fast_sampling_on_a_cpu_plans_the_weights_it_packs(tiny_model_dir, lora):
+    from grpo_cli.models import load_models
+    from grpo_cli.sampling.fast import PackedLinears, packed_gemm_available
+
+    overrides = ("model.dtype=float32", *(LORA if lora else ()))
+    plan = plan_memory(config(tiny_model_dir, *overrides), prompt_tokens=PROMPT, device="cpu")
+    if packed_gemm_available():  # the weights the sampler really packs: the tied head's too
+        policy = load_models(config(tiny_model_dir, *overrides).model, 0.0, torch.device("cpu")).policy
+        packed = sum(module.weight.numel() for module, _ in PackedLinears(policy, rows=4).forwards)
+        assert plan.bytes_of("sampling packed weights") == 4 * packed
+    assert plan.bytes_of("sampling packed weights") > 0
+    assert plan.bytes_of("eval packed weights") == plan.bytes_of("sampling packed weights")  # eval decodes too
+    for other in (("sampler.backend=hf",), ("model.autocast=bfloat16",), ("model.dtype=bfloat16",)):
+        unpacked = plan_memory(config(tiny_model_dir, *overrides, *other), prompt_tokens=PROMPT, device="cpu")
+        assert unpacked.bytes_of("sampling packed weights") == 0, other
+    on_gpu = plan_memory(config(tiny_model_dir, *overrides), prompt_tokens=PROMPT, device="cuda")
+    assert on_gpu.bytes_of("sampling packed weights") == 0
+
+
 def test_reward_model_is_counted_from_its_config_or_its_architecture(tiny_model_dir):
     entry = f"{{_target_: grpo_cli.rewards.reward_model, path: '{tiny_model_dir}', device: cpu, batch_size: 4}}"
     plan = plan_memory(config(tiny_model_dir, f"reward.functions=[{entry}]"), prompt_tokens=PROMPT, device="cpu")

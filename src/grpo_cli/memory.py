@@ -135,6 +135,9 @@ def plan_memory(cfg: Any, prompt_tokens: Optional[int] = None, device: Optional[
                         on_device=reference_here))
     rows += [_row(f"sampling {what}", amount, "sampling")
              for what, amount in zip(("KV cache", "work"), sampling_amounts(arch, act, completions, prompt_tokens, new))]
+    packed = packed_linear_weights(cfg, arch, device, dtype, trained if lora else ())
+    if packed:
+        rows.append(_row("sampling packed weights", packed, "sampling"))
     for entry in cfg.reward.functions:  # held weights, and a phase after sampling
         rows += _reward_model_rows(entry, device, prompt_tokens + new)
     if uses_kl or trainer.num_iterations > 1:  # reference log-probs where the reference is; old ones here
@@ -148,7 +151,24 @@ def plan_memory(cfg: Any, prompt_tokens: Optional[int] = None, device: Optional[
         prompts = min(cfg.data.eval_size, EVAL_BATCH)
         rows += [_row(f"eval {what}", amount, "eval")
                  for what, amount in zip(("KV cache", "work"), sampling_amounts(arch, act, prompts, prompt_tokens, new))]
+        if packed:
+            rows.append(_row("eval packed weights", packed, "eval"))
     return MemoryPlan(rows, arch, device, prompt_tokens, assumptions)
+
+
+def packed_linear_weights(cfg: Any, arch: Architecture, device: str, dtype: str,
+                          adapter: Sequence[Weight]) -> Optional[Amount]:
+    """sampler=fast on a CPU in float32 (no autocast) decodes with a packed copy of every float32
+    linear weight (sampling/fast.py, PackedLinears): the decoder's unless quantized, the head's,
+    the adapter's. None where it does not pack."""
+    if (device != "cpu" or dtype != "float32" or str(cfg.sampler.backend).lower() != "fast"
+            or str(cfg.model.autocast).lower() != "none"):
+        return None
+    linears = [Weight("lm_head.weight", arch.vocab_size, arch.hidden_size, 1, False), *adapter]
+    if str(cfg.model.quantization).lower() == "none":  # bitsandbytes layers are not nn.Linear
+        linears += [weight for weight in model_weights(arch) if weight.quantizable]
+    count = parameter_count(linears)
+    return Amount(4 * count, f"{count:,} linear weights x 4 B, packed for MKL's GEMM while decoding")
 
 
 def _row(name: str, amount: Amount, phase: str = HELD) -> Row:
