@@ -141,8 +141,8 @@ class PackedLinears:
 
     A decode step multiplies the same [rows, in] x [in, out] shapes at every token; MKL's packed
     GEMM (the one torch.compile's CPU weight freezing uses) skips laying the weight out again at
-    each call. On the bench's decode shapes (64 rows) the matmuls take 15-40% less time, with the
-    same results (tests/test_fast_sampler.py). The weights change with every optimizer step, so
+    each call: the same results (tests/test_fast_sampler.py), and on the small bench model's
+    decode shapes (64 rows) sampling takes 9-15% less time (docs/BENCHMARKS.md). The weights change with every optimizer step, so
     make one per decode; an input of another number of rows takes the plain GEMM. It holds a
     packed copy of those weights (about their size) while it lives. Nothing is packed without
     MKL, and a module whose forward is already replaced on the instance (hooks) is left alone."""
