@@ -84,7 +84,7 @@ def test_packed_linears_compute_the_layers_own_products_and_step_aside_after():
     model = torch.nn.Sequential(torch.nn.Linear(16, 24), torch.nn.Linear(24, 8, bias=False), torch.nn.Linear(8, 4))
     hooked = model[2]
     hooked.forward = lambda inputs: torch.zeros(inputs.shape[0], 4)  # a forward replaced by someone else
-    packed = PackedLinears(model, rows=5)
+    packed = PackedLinears(model, rows=5, min_weights=0)
     assert [module for module, _ in packed.forwards] == [model[0], model[1]]
     for rows in (5, 3):  # the packed shape, and another that takes the plain GEMM
         inputs = torch.randn(rows, 16)
@@ -100,7 +100,7 @@ def test_packed_linears_compute_the_layers_own_products_and_step_aside_after():
     with torch.no_grad():
         model[0].weight.add_(1.0)
     ones = torch.ones(5, 16)
-    with torch.inference_mode(), PackedLinears(model, rows=5):
+    with torch.inference_mode(), PackedLinears(model, rows=5, min_weights=0):
         torch.testing.assert_close(model[0](ones), ones @ model[0].weight.T + model[0].bias)
 
 
@@ -114,6 +114,9 @@ def test_sampling_with_packed_weights_draws_the_same_tokens(tiny_model_dir, monk
                                  "sampler.min_new_tokens=12")
     batch = PromptSource(cfg.data, models.tokenizer).next_batch()
     products = Counter()
+    # the tiny model's weights are all below the size worth packing: pack them all here
+    assert not PackedLinears(models.policy, rows=32).forwards
+    monkeypatch.setattr(fast, "PACK_MIN_WEIGHTS", 0)
 
     def counted_packed_forward(weight, bias, rows):
         forward = fast.packed_forward.__wrapped__(weight, bias, rows)

@@ -222,23 +222,38 @@ def test_beta_zero_or_lora_has_no_reference_and_a_schedule_uses_its_peak(tiny_mo
 
 
 @pytest.mark.parametrize("lora", [False, True])
-def test_fast_sampling_on_a_cpu_plans_the_weights_it_packs(tiny_model_dir, lora):
+@pytest.mark.parametrize("pack_all", [False, True])
+def test_fast_sampling_on_a_cpu_plans_the_weights_it_packs(tiny_model_dir, lora, pack_all, monkeypatch):
+    import grpo_cli.memory
+    import grpo_cli.sampling.fast
     from grpo_cli.models import load_models
     from grpo_cli.sampling.fast import PackedLinears, packed_gemm_available
 
+    if pack_all:  # the tiny model's weights are all below the size the sampler packs
+        for module in (grpo_cli.memory, grpo_cli.sampling.fast):
+            monkeypatch.setattr(module, "PACK_MIN_WEIGHTS", 0)
     overrides = ("model.dtype=float32", *(LORA if lora else ()))
     plan = plan_memory(config(tiny_model_dir, *overrides), prompt_tokens=PROMPT, device="cpu")
     if packed_gemm_available():  # the weights the sampler really packs: the tied head's too
         policy = load_models(config(tiny_model_dir, *overrides).model, 0.0, torch.device("cpu")).policy
         packed = sum(module.weight.numel() for module, _ in PackedLinears(policy, rows=4).forwards)
         assert plan.bytes_of("sampling packed weights") == 4 * packed
-    assert plan.bytes_of("sampling packed weights") > 0
+    assert (plan.bytes_of("sampling packed weights") > 0) == pack_all
     assert plan.bytes_of("eval packed weights") == plan.bytes_of("sampling packed weights")  # eval decodes too
     for other in (("sampler.backend=hf",), ("model.autocast=bfloat16",), ("model.dtype=bfloat16",)):
         unpacked = plan_memory(config(tiny_model_dir, *overrides, *other), prompt_tokens=PROMPT, device="cpu")
         assert unpacked.bytes_of("sampling packed weights") == 0, other
     on_gpu = plan_memory(config(tiny_model_dir, *overrides), prompt_tokens=PROMPT, device="cuda")
     assert on_gpu.bytes_of("sampling packed weights") == 0
+
+
+def test_a_seven_b_model_on_a_cpu_plans_its_packed_linear_weights():
+    # every decoder linear of Qwen2.5-7B and its head are above the packing size
+    plan = plan_memory(seven_b_full_fine_tune("model.dtype=float32", "sampler.backend=fast"), prompt_tokens=256,
+                       device="cpu")
+    h, i, layers, vocab = 3584, 18944, 28, 152064
+    linears = layers * (h * h + 2 * h * 512 + h * h + 3 * h * i) + vocab * h  # q, k and v (4 KV heads x 128), o; MLP
+    assert plan.bytes_of("sampling packed weights") == 4 * linears
 
 
 def test_reward_model_is_counted_from_its_config_or_its_architecture(tiny_model_dir):

@@ -28,6 +28,7 @@ from grpo_cli.config import ArchitectureConfig, beta_schedule, boosted_group_siz
 from grpo_cli.evaluation import EVAL_BATCH
 from grpo_cli.memory_formulas import (DTYPE_BYTES, Amount, forward_bytes, optimizer_bytes, reference_amount,
                                       sampling_amounts, update_amounts, weight_bytes)
+from grpo_cli.sampling import PACK_MIN_WEIGHTS
 
 __all__ = ["architecture_of", "plan_memory", "cheapest_fixes", "format_plan", "format_fixes", "MemoryPlan", "Row",
            "Fix", "GB", "DEFAULT_PROMPT_TOKENS"]
@@ -158,17 +159,20 @@ def plan_memory(cfg: Any, prompt_tokens: Optional[int] = None, device: Optional[
 
 def packed_linear_weights(cfg: Any, arch: Architecture, device: str, dtype: str,
                           adapter: Sequence[Weight]) -> Optional[Amount]:
-    """sampler=fast on a CPU in float32 (no autocast) decodes with a packed copy of every float32
-    linear weight (sampling/fast.py, PackedLinears): the decoder's unless quantized, the head's,
-    the adapter's. None where it does not pack."""
+    """sampler=fast on a CPU in float32 (no autocast) decodes with a packed copy of the float32
+    linear weights of at least PACK_MIN_WEIGHTS elements (sampling/fast.py, PackedLinears): the
+    decoder's unless quantized, the head's, the adapter's. None where nothing is packed."""
     if (device != "cpu" or dtype != "float32" or str(cfg.sampler.backend).lower() != "fast"
             or str(cfg.model.autocast).lower() != "none"):
         return None
     linears = [Weight("lm_head.weight", arch.vocab_size, arch.hidden_size, 1, False), *adapter]
     if str(cfg.model.quantization).lower() == "none":  # bitsandbytes layers are not nn.Linear
         linears += [weight for weight in model_weights(arch) if weight.quantizable]
-    count = parameter_count(linears)
-    return Amount(4 * count, f"{count:,} linear weights x 4 B, packed for MKL's GEMM while decoding")
+    count = parameter_count([weight for weight in linears if weight.numel >= PACK_MIN_WEIGHTS])
+    if not count:
+        return None
+    return Amount(4 * count, f"{count:,} weights of linears of >= {PACK_MIN_WEIGHTS:,} x 4 B, packed for MKL's GEMM "
+                  "while decoding")
 
 
 def _row(name: str, amount: Amount, phase: str = HELD) -> Row:
