@@ -11,8 +11,7 @@ from hydra.errors import ConfigCompositionException
 from omegaconf import OmegaConf
 
 from grpo_cli.cli import config_dir
-from grpo_cli.config import ConfigError, beta_schedule
-from grpo_cli.losses import BetaSchedule
+from grpo_cli.config import BetaSchedule, ConfigError, beta_schedule
 from grpo_cli.validation import validate
 
 CONF = Path(config_dir())

@@ -11,12 +11,10 @@ fields (group size >= 2, batch divisibility, files that must exist) live in
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields, is_dataclass
-from typing import Any, List, Optional
+from typing import Any, List, NamedTuple, Optional
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, OmegaConf
-
-from grpo_cli.losses import BetaSchedule
 
 
 class ConfigError(ValueError):
@@ -364,6 +362,24 @@ def _schema_class(annotation: Any) -> Optional[type]:
 def boosted_group_size(sampler: Any) -> int:
     """The group size adaptive sampling raises to: group_size x factor, capped."""
     return min(sampler.group_size * sampler.adaptive.factor, sampler.adaptive.max_group_size)
+
+
+class BetaSchedule(NamedTuple):
+    """The KL coefficient over training: `start` at step 0, `end` from `warmup_steps` on.
+
+    In between it moves by `shape`: linear, cosine (slow, fast, slow) or step (holds `start`
+    until `warmup_steps`, then switches). A constant beta is start = end. "Tight then loose":
+    BetaSchedule(0.05, 0.02, 100, "linear") gives 0.05 at step 0, 0.035 at 50, 0.02 from 100 on.
+    """
+
+    start: float
+    end: float
+    warmup_steps: int = 0
+    shape: str = "linear"
+
+    @property
+    def peak(self) -> float:
+        return max(self.start, self.end)
 
 
 def beta_schedule(beta: Any) -> BetaSchedule:

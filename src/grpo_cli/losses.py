@@ -36,6 +36,8 @@ from typing import NamedTuple
 
 import torch
 
+from grpo_cli.config import BetaSchedule
+
 KL_ESTIMATORS = ("k1", "k2", "k3")
 BETA_SHAPES = ("linear", "cosine", "step")
 AGGREGATIONS = ("sequence_mean", "token_mean", "constant")
@@ -173,24 +175,6 @@ def aggregate(per_token: torch.Tensor, mask: torch.Tensor, aggregation: str, ste
     if aggregation == "constant":
         return masked_sum / (step.sequences * step.max_new_tokens)
     raise ValueError(f"unknown loss aggregation {aggregation!r}; one of {', '.join(AGGREGATIONS)}")
-
-
-class BetaSchedule(NamedTuple):
-    """The KL coefficient over training: `start` at step 0, `end` from `warmup_steps` on.
-
-    In between it moves by `shape`: linear, cosine (slow, fast, slow) or step (holds `start`
-    until `warmup_steps`, then switches). A constant beta is start = end. "Tight then loose":
-    BetaSchedule(0.05, 0.02, 100, "linear") gives 0.05 at step 0, 0.035 at 50, 0.02 from 100 on.
-    """
-
-    start: float
-    end: float
-    warmup_steps: int = 0
-    shape: str = "linear"
-
-    @property
-    def peak(self) -> float:
-        return max(self.start, self.end)
 
 
 def beta_at(schedule: BetaSchedule, step: int) -> float:

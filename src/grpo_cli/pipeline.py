@@ -20,7 +20,7 @@ from omegaconf import OmegaConf
 from grpo_cli.adaptive import AdaptiveGroupState, next_group_size
 from grpo_cli.advantages import group_advantages
 from grpo_cli.checkpoint import latest_checkpoint, load_trainer_state, save_checkpoint, set_rng_state
-from grpo_cli.config import ConfigError, beta_schedule, boosted_group_size, resume_mode
+from grpo_cli.config import BetaSchedule, ConfigError, beta_schedule, boosted_group_size, resume_mode
 from grpo_cli.console import sample_entries
 from grpo_cli.distributed import (SINGLE, Distributed, barrier, broadcast_from_main, full_states, is_sharded,
                                   join_process_group, leave_process_group, load_optimizer_state, max_over_ranks,
@@ -29,7 +29,7 @@ from grpo_cli.dynamic import fill_informative_groups
 from grpo_cli.evaluation import evaluate
 from grpo_cli.guard import GuardState, roll_back, trigger
 from grpo_cli.logs import QuietLogger, RunLogger, resident_memory_gb
-from grpo_cli.losses import BetaSchedule, beta_at
+from grpo_cli.losses import beta_at
 from grpo_cli.memory_check import check_memory, print_plan
 from grpo_cli.models import Models, load_models, resolve_device, trainable_parameters
 from grpo_cli.optim import make_optimizer, make_scheduler
