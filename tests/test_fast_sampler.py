@@ -118,11 +118,12 @@ def test_sampling_with_packed_weights_draws_the_same_tokens(tiny_model_dir, monk
     assert not PackedLinears(models.policy, rows=32).forwards
     monkeypatch.setattr(fast, "PACK_MIN_WEIGHTS", 0)
 
+    packed_forward = fast.packed_forward
+
     def counted_packed_forward(weight, bias, rows):
-        forward = fast.packed_forward.__wrapped__(weight, bias, rows)
+        forward = packed_forward(weight, bias, rows)
         return lambda inputs: products.update([tuple(inputs.shape)]) or forward(inputs)
 
-    counted_packed_forward.__wrapped__ = fast.packed_forward
     monkeypatch.setattr(fast, "packed_forward", counted_packed_forward)
     completions = {}
     for packing in (True, False):
