@@ -9,6 +9,7 @@ import json
 import os
 import subprocess
 import sys
+import textwrap
 from pathlib import Path
 
 import pytest
@@ -35,6 +36,40 @@ def torchrun(*arguments: str, cwd: Path) -> subprocess.CompletedProcess:
     )
     assert result.returncode == 0, f"torchrun failed ({result.returncode}):\n{result.stdout}\n{result.stderr}"
     return result
+
+
+def test_a_torchrun_worker_ends_without_the_interpreters_shutdown(tmp_path):
+    # Under torchrun: buffered output and logging handlers are flushed, atexit handlers are not
+    # run (the shutdown is skipped), and the exit code is 0. Outside torchrun: nothing happens.
+    script = tmp_path / "worker.py"
+    script.write_text(textwrap.dedent(f"""
+        import atexit, logging, sys
+        from grpo_cli.distributed import end_worker_process
+        logging.basicConfig(filename={str(tmp_path / "log.txt")!r}, level=logging.INFO)
+        atexit.register(lambda: print("atexit ran"))
+        logging.info("logged")
+        sys.stdout.write("buffered")
+        end_worker_process()
+        print(" returned")
+    """))
+    env = {k: v for k, v in os.environ.items() if k != "WORLD_SIZE"}
+    plain = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env)
+    assert (plain.returncode, plain.stdout) == (0, "buffered returned\natexit ran\n")
+    worker = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                            env={**env, "WORLD_SIZE": "2"})
+    assert (worker.returncode, worker.stdout) == (0, "buffered")
+    assert "logged" in (tmp_path / "log.txt").read_text()
+
+
+@pytest.mark.slow
+def test_ranks_that_ran_gloo_collectives_with_fsdp_imported_exit_cleanly(tmp_path):
+    # The recipe of tests/distributed_exit.py, under torchrun, aborted at exit (SIGABRT,
+    # "terminate called without an active exception") in 12 of 60 trials on a 2-core VM when
+    # Python exited as usual, and in none of 65 through end_worker_process. Eight clean trials
+    # in a row would happen by chance without it about once in six.
+    for _ in range(8):
+        result = torchrun(str(Path(TESTS_DIR) / "distributed_exit.py"), cwd=tmp_path)  # asserts exit code 0
+        assert result.stdout.count("ran") == 2  # both ranks reached the end
 
 
 def test_local_share_keeps_whole_groups_in_order():

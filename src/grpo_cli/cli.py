@@ -79,6 +79,10 @@ def _command(cfg: DictConfig) -> Iterator[None]:
 def main() -> None:
     """`grpo-train`: fine-tune with GRPO."""
     _serve("grpo-train", train)
+    if "WORLD_SIZE" in os.environ:  # a torchrun worker: its exit needs care (end_worker_process)
+        from grpo_cli.distributed import end_worker_process
+
+        end_worker_process()
 
 
 def filter_main() -> None:
