@@ -107,8 +107,8 @@ def end_worker_process() -> None:
     (CI saw it once). Skipping the shutdown skips those destructors. By now every file of the
     run is closed (RunLogger.close, checkpoints written and renamed), and the process group is
     destroyed; what remains is flushing Python's own buffers and logging handlers (Hydra's log
-    file), which is done here. tests/test_distributed.py runs the abort's recipe with and
-    without this function.
+    file), which is done here. tests/distributed_exit.py is the abort's recipe: the slow test
+    in tests/test_distributed.py runs it through this function; `plain` runs it without.
     """
     if launched_world_size() <= 1:
         return
