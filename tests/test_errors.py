@@ -103,6 +103,14 @@ def test_group_size_one_exits_2_through_the_cli(tmp_path):
     assert "sampler.group_size=1: GRPO normalizes rewards within a group" in message
 
 
+def test_a_broken_rule_is_said_before_torch_and_transformers_are_imported(tmp_path):
+    # PYTHONPROFILEIMPORTTIME makes Python list each module it imports on stderr ("... | name").
+    message = input_error("grpo-train", "sampler.group_size=1", cwd=tmp_path, env={"PYTHONPROFILEIMPORTTIME": "1"})
+    assert "sampler.group_size=1: GRPO normalizes rewards within a group" in message
+    assert "| omegaconf " in message  # the listing is there
+    assert "| torch " not in message and "| transformers " not in message
+
+
 def test_a_broken_interpolation_names_its_key(tmp_path):
     message = cli_error("trainer.seed=${oops}", tmp_path=tmp_path)
     assert "trainer.seed: its interpolation cannot be resolved (Interpolation key 'oops' not found)" in message

@@ -19,9 +19,8 @@ from __future__ import annotations
 
 import torch
 
+from grpo_cli.config import ADVANTAGE_MODES
 from grpo_cli.records import Advantages
-
-ADVANTAGE_MODES = ("grpo", "rloo", "dr_grpo", "batch_std")
 
 
 def group_advantages(rewards: torch.Tensor, std_eps: float, std_threshold: float,

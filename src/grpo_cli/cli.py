@@ -45,7 +45,10 @@ _program = "grpo-train"  # the console script being run: the prefix of its error
 @hydra.main(version_base="1.3", config_path=config_dir(), config_name="config")
 def train(cfg: DictConfig) -> None:
     with _command(cfg):
-        from grpo_cli.pipeline import run  # torch and transformers load only once a command starts
+        from grpo_cli.validation import validate
+
+        validate(cfg, check_files=False)  # a broken rule is said before torch and transformers load
+        from grpo_cli.pipeline import run
 
         run(cfg)
 
@@ -63,9 +66,9 @@ def _command(cfg: DictConfig) -> Iterator[None]:
     """What every command does with its composed config first; our input errors end in `fail`."""
     global _task_started
     _task_started = True
-    from transformers.utils import logging as transformers_logging
-
-    transformers_logging.disable_progress_bar()  # per-shard bars would drown the command's own output
+    # Per-shard bars would drown the command's own output. The variable (not transformers'
+    # disable_progress_bar) keeps transformers out of the process until a command needs it.
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     try:
         with open_dict(cfg):  # before resolving: `${trainer.output_dir}` elsewhere means the run folder
             if not cfg.trainer.output_dir:

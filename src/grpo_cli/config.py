@@ -16,6 +16,15 @@ from typing import Any, List, NamedTuple, Optional
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, OmegaConf
 
+# The values of the string fields that the stages read as written (case-sensitive), checked by
+# validate; the stages that read them import them from here, so composing and validating a
+# config never imports torch.
+ADVANTAGE_MODES = ("grpo", "rloo", "dr_grpo", "batch_std")  # trainer.advantage
+AGGREGATIONS = ("sequence_mean", "token_mean", "constant")  # trainer.loss_aggregation
+KL_ESTIMATORS = ("k1", "k2", "k3")  # trainer.kl_estimator
+BETA_SHAPES = ("linear", "cosine", "step")  # trainer.beta.shape
+DISTRIBUTED_MODES = ("ddp", "fsdp")  # trainer.distributed
+
 
 class ConfigError(ValueError):
     """A bad config value, data file or model folder. The CLI prints its message and exits 2."""

@@ -32,7 +32,8 @@ from typing import Any
 
 import torch
 
-DISTRIBUTED_MODES = ("ddp", "fsdp")
+from grpo_cli.launch import launched_world_size
+
 
 
 @dataclass(frozen=True)
@@ -52,26 +53,6 @@ class Distributed:
 
 
 SINGLE = Distributed()
-
-
-def launched_world_size() -> int:
-    """WORLD_SIZE as torchrun set it (1 when not launched by torchrun)."""
-    export_slurm_environment()
-    return int(os.environ.get("WORLD_SIZE", "1"))
-
-
-def export_slurm_environment() -> None:
-    """In a SLURM job of several tasks started by the submitit launcher (hydra/launcher=
-    slurm_node: one task per GPU) there is no torchrun: submitit's helper writes the variables
-    torchrun would have set (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT) from
-    SLURM's, so the tasks join one process group. Anywhere else this does nothing."""
-    if "WORLD_SIZE" in os.environ or "SUBMITIT_FOLDER" not in os.environ:
-        return
-    if int(os.environ.get("SLURM_NTASKS", "1")) <= 1:
-        return
-    from submitit.helpers import TorchDistributedEnvironment
-
-    TorchDistributedEnvironment().export(set_cuda_visible_devices=False)
 
 
 def join_process_group(mode: str) -> Distributed:

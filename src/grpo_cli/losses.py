@@ -36,11 +36,7 @@ from typing import NamedTuple
 
 import torch
 
-from grpo_cli.config import BetaSchedule
-
-KL_ESTIMATORS = ("k1", "k2", "k3")
-BETA_SHAPES = ("linear", "cosine", "step")
-AGGREGATIONS = ("sequence_mean", "token_mean", "constant")
+from grpo_cli.config import AGGREGATIONS, KL_ESTIMATORS, BetaSchedule
 LOGIT_CHUNK_ELEMENTS = 1 << 24  # float32 elements per chunk of logits (64 MiB): rows = this / vocab
 
 

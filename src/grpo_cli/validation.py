@@ -13,13 +13,11 @@ import os
 from pathlib import Path
 from typing import Any, Optional
 
-import torch
 from omegaconf import OmegaConf
 
-from grpo_cli.advantages import ADVANTAGE_MODES
-from grpo_cli.config import ConfigError, boosted_group_size, resume_mode
-from grpo_cli.distributed import DISTRIBUTED_MODES, launched_world_size
-from grpo_cli.losses import AGGREGATIONS, BETA_SHAPES, KL_ESTIMATORS
+from grpo_cli.config import (ADVANTAGE_MODES, AGGREGATIONS, BETA_SHAPES, DISTRIBUTED_MODES, KL_ESTIMATORS,
+                             ConfigError, boosted_group_size, resume_mode)
+from grpo_cli.launch import launched_world_size
 
 
 CHOICES = {
@@ -43,8 +41,11 @@ def validate(cfg: Any, check_files: bool = True) -> None:
     """Reject configs that would fail later, before any model is loaded.
 
     Collects every problem and raises one ConfigError listing them all, each naming its key.
-    `check_files=False` skips the checks that read the disk or the installed packages (used when
-    composing presets whose data, models and loggers live on other machines).
+    The rules between fields come first and import nothing heavy; once they hold, the checks
+    that read the disk (model folder and tokenizer, data files, output folder, resume
+    checkpoint) and the installed packages follow. `check_files=False` skips those (used when
+    composing presets whose data, models and loggers live on other machines, and by `grpo-train`
+    before it imports torch and transformers).
     """
     problems: list[str] = []
 
@@ -166,7 +167,9 @@ def validate(cfg: Any, check_files: bool = True) -> None:
     if trainer.sample_prompts < 0 or trainer.sample_every < 0 or data.eval_holdout < 0:
         problems.append("trainer.sample_every, trainer.sample_prompts and data.eval_holdout must be >= 0.")
 
-    if check_files:
+    if check_files and not problems:  # the rules first: they need no tokenizer, so they are said in a second
+        import torch
+
         from grpo_cli.models import local_tokenizer_and_context
         from grpo_cli.prompts import data_problems
 
