@@ -35,7 +35,6 @@ import torch
 from grpo_cli.launch import launched_world_size
 
 
-
 @dataclass(frozen=True)
 class Distributed:
     rank: int = 0
