@@ -13,6 +13,17 @@ TESTS_DIR = str(Path(__file__).resolve().parent)  # on PYTHONPATH: `_target_: te
 MEASURED_KEYS = ("time/", "tokens_per_second", "memory/")  # timed or measured, not computed
 
 
+# A reward that gives every step a gradient by construction, whatever was sampled: the premise
+# of a test that needs the weights to move must not rest on one CPU's float rounding.
+ALTERNATING_REWARD = "reward.functions=[{_target_: helpers.alternating_reward, weight: 1.0}]"
+
+
+def alternating_reward(prompts, completions, **_):
+    """1, 0, 1, 0, ... by position in the batch: every group of an even size holds both rewards,
+    so every group has a non-zero advantage (ALTERNATING_REWARD names it in a config)."""
+    return [float(index % 2 == 0) for index in range(len(completions))]
+
+
 def computed_rows(rows: list[dict], leave_out: tuple[str, ...] = ()) -> list[dict]:
     """metrics.jsonl rows without the measured keys (and those starting with `leave_out`): what
     two runs of the same seed must agree on exactly."""

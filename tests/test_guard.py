@@ -13,7 +13,7 @@ from grpo_cli.config import GuardConfig
 from grpo_cli.guard import GuardState, GuardStop, roll_back, trigger
 from grpo_cli.logs import read_metrics
 from grpo_cli.pipeline import run
-from helpers import computed_rows, config
+from helpers import ALTERNATING_REWARD, computed_rows, config
 
 FINE = {"loss": 0.1, "grad_norm": 1.0, "kl": 0.01, "skipped_updates": 0}
 
@@ -66,9 +66,11 @@ def test_roll_back_restores_the_checkpoint_weights_and_raises_beta(tmp_path, tin
 
 
 def test_a_run_rolls_back_doubles_beta_and_stops_with_a_report(tmp_path, tiny_model_dir):
-    # max_kl 1e-9: step 1 is on the reference (KL 0), every later step drifts. Step 2 rolls back
-    # to step 1 (beta 0.04 -> 0.08), step 3 again (-> 0.16), step 4 finds the 2 rollbacks used up.
-    cfg = config(tiny_model_dir, "trainer.steps=6", "trainer.beta=0.04", "trainer.checkpoint_every=1",
+    # max_kl 1e-9: step 1 is on the reference (KL 0), every later step drifts (the alternating
+    # reward gives every step a gradient: no step may leave the weights where they were). Step 2
+    # rolls back to step 1 (beta 0.04 -> 0.08), step 3 again (-> 0.16), step 4 finds the 2
+    # rollbacks used up.
+    cfg = config(tiny_model_dir, ALTERNATING_REWARD, "trainer.steps=6", "trainer.beta=0.04", "trainer.checkpoint_every=1",
                  "trainer.guard.enabled=true", "trainer.guard.max_kl=1e-9", "trainer.guard.max_rollbacks=2",
                  "trainer.log_every=1", "data.eval_size=0", f"trainer.output_dir={tmp_path}")
     with pytest.raises(GuardStop) as caught:
@@ -99,10 +101,11 @@ def test_a_nan_step_never_reaches_the_weights(tiny_model_dir, monkeypatch):
 
 
 def test_resume_restores_the_guard_state_exactly(tmp_path, tiny_model_dir):
-    # Every step after the first triggers (max_kl 1e-9) and doubles beta; a run stopped after 3
-    # steps and resumed to 6 must log exactly what an unbroken 6-step run logs.
+    # Every step after the first triggers (max_kl 1e-9: the alternating reward moves the weights
+    # at every step) and doubles beta; a run stopped after 3 steps and resumed to 6 must log
+    # exactly what an unbroken 6-step run logs.
     def guarded(output_dir, steps, *extra):
-        return config(tiny_model_dir, f"trainer.steps={steps}", "trainer.checkpoint_every=1",
+        return config(tiny_model_dir, ALTERNATING_REWARD, f"trainer.steps={steps}", "trainer.checkpoint_every=1",
                       "trainer.guard.enabled=true", "trainer.guard.max_kl=1e-9",
                       "trainer.guard.max_rollbacks=10", "data.eval_size=0",
                       f"trainer.output_dir={output_dir}", *extra)

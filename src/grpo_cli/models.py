@@ -184,7 +184,31 @@ def _from_pretrained(path: str, cfg: ModelConfig, dtype: torch.dtype, device: to
         options["quantization_config"] = _quantization_config(cfg, dtype)
         options["device_map"] = {"": device}
     model = AutoModelForCausalLM.from_pretrained(path, **options)
+    if cfg.quantization == "4bit":
+        keep_4bit_weights_in_training_layout(model)
     return model if cfg.quantization != "none" else model.to(device)
+
+
+def keep_4bit_weights_in_training_layout(model: torch.nn.Module) -> int:
+    """Stop bitsandbytes from repacking the 4-bit weights of `model` for its CPU inference kernel.
+    Returns the number of 4-bit layers.
+
+    On a CPU with AVX512-BF16, bitsandbytes (0.50) converts a Linear4bit's weight, in place and
+    for good, to a packed layout the first time the layer runs in eval mode on an input that needs
+    no gradient: our sampling and greedy eval. Every later forward, training ones included, then
+    takes the packed kernel, which has no backward (gradients to the layer's input are dropped)
+    and, for a layer with a bias (Qwen2's q/k/v), fails on its in-place bias add. The packing
+    also rounds the block scales to bfloat16, so the frozen base would no longer be the one
+    loaded, and the sampler would draw from other weights than the update trains. So the policy's
+    layers keep the one layout every CPU and every pass share. bitsandbytes decides once per layer,
+    in `__init__`, from `has_avx512bf16()`; tests/test_cpu_paths.py forces that detection to True
+    on any CPU and checks that no layer is ever packed."""
+    from bitsandbytes.nn import Linear4bit
+
+    layers = [module for module in model.modules() if isinstance(module, Linear4bit)]
+    for layer in layers:
+        layer.support_avx512bf16_for_cpu = False
+    return len(layers)
 
 
 def load_models(cfg: ModelConfig, beta: float, device: torch.device,
