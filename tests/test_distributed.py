@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -70,6 +71,17 @@ def test_ranks_that_ran_gloo_collectives_with_fsdp_imported_exit_cleanly(tmp_pat
     for _ in range(8):
         result = torchrun(str(Path(TESTS_DIR) / "distributed_exit.py"), cwd=tmp_path)  # asserts exit code 0
         assert result.stdout.count("ran") == 2  # both ranks reached the end
+
+
+def test_every_worker_script_the_tests_launch_ends_as_the_products_worker_does():
+    # A worker script that exits as Python does hits the abort above by chance (CI saw it once in
+    # distributed_equivalence.py): each script these tests hand to torchrun calls end_worker_process.
+    launched = set()
+    for test_file in Path(TESTS_DIR).glob("test_*.py"):
+        launched |= set(re.findall(r'TESTS_DIR\) / "(\w+\.py)"', test_file.read_text()))
+    assert {"distributed_equivalence.py", "distributed_exit.py"} <= launched
+    for script in sorted(launched):
+        assert "end_worker_process()" in (Path(TESTS_DIR) / script).read_text(), script
 
 
 def test_local_share_keeps_whole_groups_in_order():
