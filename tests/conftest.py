@@ -8,7 +8,6 @@ from pathlib import Path
 import pytest
 
 PROJECT_ROOT = Path(__file__).resolve().parents[1]
-SHARED_DATA = PROJECT_ROOT.parent / "shared" / "data"
 
 # Set before any test imports transformers: the hub is never contacted, and the tiny model is
 # built once into the checkout's own cache (ignored by git) and reused by every test.

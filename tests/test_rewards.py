@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import math
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -20,8 +19,7 @@ from grpo_cli.records import Rewards
 from grpo_cli.rewards import exact_match, math_accuracy
 from grpo_cli.rewards.api import RewardError, RewardScorer, build_reward_functions, call_reward
 from grpo_cli.rewards.math import extract_final_answer, reference_value
-
-GSM8K_TRAIN = Path(__file__).resolve().parents[2] / "shared" / "data" / "gsm8k" / "train.jsonl"
+from shared_data import shared_file
 
 # The helper reward functions below are named by `_target_` as "<this module>.<function>": pytest
 # puts the tests folder on sys.path and registers this module under `__name__`, so hydra's
@@ -185,9 +183,7 @@ def test_math_accuracy_wrong_or_missing_answers_score_zero(completion, answer):
 
 
 def test_math_accuracy_with_a_whole_gsm8k_solution_as_the_answer():
-    if not GSM8K_TRAIN.is_file():
-        pytest.skip(f"{GSM8K_TRAIN} is not here")
-    with GSM8K_TRAIN.open(encoding="utf-8") as handle:
+    with shared_file("gsm8k/train.jsonl", "GSM8K's train split").open(encoding="utf-8") as handle:
         row = json.loads(handle.readline())
     solution = row["answer"]
     gold = solution.rsplit("####", 1)[1].strip()  # by hand: the text after the last ####

@@ -8,16 +8,13 @@ import re
 
 import pytest
 
-from conftest import SHARED_DATA
 from grpo_cli.rewards import format_reward, length_penalty, math_accuracy, repetition_penalty
-
-GSM8K_TEST = SHARED_DATA / "gsm8k" / "test.jsonl"
+from shared_data import shared_file
 
 
 def gsm8k_test_rows() -> list[dict]:
-    if not GSM8K_TEST.is_file():
-        pytest.fail(f"{GSM8K_TEST} is missing: CI runs with ../shared beside the checkout")
-    return [json.loads(line) for line in GSM8K_TEST.read_text().splitlines() if line.strip()]
+    test_split = shared_file("gsm8k/test.jsonl", "GSM8K's test split")
+    return [json.loads(line) for line in test_split.read_text().splitlines() if line.strip()]
 
 
 def test_every_gsm8k_reference_solution_scores_1_against_its_own_answer():
