@@ -7,9 +7,10 @@ same one: pipeline.run calls validate first, and any ConfigError from run ends i
 
 from __future__ import annotations
 
+import ctypes
 import json
-import os
 import shutil
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -50,6 +51,46 @@ def write(path: Path, text: str | bytes) -> Path:
 
 
 GOOD_ROW = '{"prompt": "Question: what is 1 + 2? Answer:", "answer": "3"}\n'
+
+CAP_DAC_OVERRIDE, CAP_DAC_READ_SEARCH = 1, 2  # linux/capability.h
+LINUX_CAPABILITY_VERSION_3 = 0x20080522
+
+
+class CapabilityHeader(ctypes.Structure):
+    _fields_ = [("version", ctypes.c_uint32), ("pid", ctypes.c_int)]
+
+
+class CapabilitySets(ctypes.Structure):  # capabilities 0-31; version 3 takes two, for 0-63
+    _fields_ = [("effective", ctypes.c_uint32), ("permitted", ctypes.c_uint32), ("inheritable", ctypes.c_uint32)]
+
+
+@contextmanager
+def file_modes_bind_even_root():
+    """Within it, this thread cannot read a file its mode forbids, even as root (as CI runs).
+
+    Root reads any file through CAP_DAC_OVERRIDE and CAP_DAC_READ_SEARCH; they leave the thread's
+    effective set, stay permitted, and come back on exit. Not a uid drop to nobody: on our
+    machines the interpreter lives under /root (pyenv, mode 700), and nobody could not import the
+    modules that validate loads on first use. For any other user the effective set is empty
+    already: nothing changes.
+    """
+    libc = ctypes.CDLL(None, use_errno=True)
+    header = CapabilityHeader(LINUX_CAPABILITY_VERSION_3, 0)  # pid 0: the calling thread
+
+    def capset(sets) -> None:
+        if libc.capset(ctypes.byref(header), sets) != 0:
+            raise OSError(ctypes.get_errno(), "capset")
+
+    held = (CapabilitySets * 2)()
+    if libc.capget(ctypes.byref(header), held) != 0:
+        raise OSError(ctypes.get_errno(), "capget")
+    bound = (CapabilitySets * 2).from_buffer_copy(held)
+    bound[0].effective &= ~(1 << CAP_DAC_OVERRIDE | 1 << CAP_DAC_READ_SEARCH)
+    capset(bound)
+    try:
+        yield
+    finally:
+        capset(held)
 
 
 # ---------------------------------------------------------------- found by Hydra, through the CLI
@@ -198,11 +239,14 @@ def test_a_folder_given_as_the_data_file(tmp_path):
     assert f"Data file {folder} is a folder, not a file" in validate_error(f"data.path={folder}")
 
 
-@pytest.mark.skipif(os.geteuid() == 0, reason="root reads files whatever their mode")
 def test_an_unreadable_data_file(tmp_path):
     path = write(tmp_path / "secret.jsonl", GOOD_ROW)
     path.chmod(0)
-    assert f"Data file {path} cannot be read: permission denied" in validate_error(f"data.path={path}")
+    with file_modes_bind_even_root():
+        with pytest.raises(PermissionError):  # the set-up holds: the mode now binds this test too
+            path.read_text()
+        message = validate_error(f"data.path={path}")
+    assert f"Data file {path} cannot be read: permission denied" in message
 
 
 def test_a_data_file_that_is_not_utf8(tmp_path):
