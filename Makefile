@@ -10,16 +10,25 @@ STAMP := $(VENV)/.installed
 # run `make TORCH=torch demo` (an installed torch satisfies the unpinned requirement).
 TORCH ?= torch==2.13.0
 
-.PHONY: install demo test test-fast clean
+.PHONY: install lock demo test test-fast clean
 
-$(STAMP): pyproject.toml
+# constraints.txt holds the exact versions the suite was checked on (transformers, peft,
+# bitsandbytes, trl and every package under them), so a fresh install next month installs
+# what passed; pyproject.toml keeps the ranges a user's own install may take.
+$(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
-	$(BIN)/python -m pip install --quiet --upgrade pip
+	$(BIN)/python -m pip install --quiet pip==26.3
 	$(BIN)/python -m pip install --quiet "$(TORCH)"
-	$(BIN)/python -m pip install --quiet -e '.[dev]'
+	$(BIN)/python -m pip install --quiet -c constraints.txt -e '.[dev]'
 	touch $(STAMP)
 
 install: $(STAMP)
+
+# After moving a dependency on (and checking `make test` with it): write its versions down.
+lock: install
+	{ sed -n '/^#/p' constraints.txt; $(BIN)/python -m pip freeze --exclude-editable | \
+	  grep -v -i -E '^(torch|grpo-cli)=='; } > constraints.txt.new && mv constraints.txt.new constraints.txt
+	touch $(STAMP)
 
 demo: install
 	$(BIN)/grpo-train
