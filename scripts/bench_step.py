@@ -457,14 +457,23 @@ def profile_step(size: str, rows: int = 15) -> str:
     return profiler.key_averages().table(sort_by="self_cpu_time_total", row_limit=rows)
 
 
+CPU_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_bf16")
+
+
 def machine() -> str:
     import torch
     import transformers
     import trl
 
-    cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")),
+    cpuinfo = open("/proc/cpuinfo").read().splitlines() if os.path.exists("/proc/cpuinfo") else []
+    cpu = next((line.split(":", 1)[1].strip() for line in cpuinfo if line.startswith("model name")),
                platform.processor())
-    return (f"{cpu}, {os.cpu_count()} cores visible, torch {torch.__version__} ({torch.get_num_threads()} threads), "
+    flags = set(next((line.split(":", 1)[1].split() for line in cpuinfo if line.startswith("flags")), []))
+    # The flags that change which kernels run: bf16 matmuls are 1.5x faster than float32 with
+    # avx512_bf16 and 3x slower without; bitsandbytes takes another 4-bit path with it.
+    named = ", ".join(f"{flag} {'yes' if flag in flags else 'no'}" for flag in CPU_FLAGS)
+    return (f"{cpu} ({named}), {os.cpu_count()} cores visible, torch {torch.__version__} "
+            f"({torch.get_num_threads()} threads), "
             f"transformers {transformers.__version__}, trl {trl.__version__}, Python {platform.python_version()}")
 
 
