@@ -24,6 +24,15 @@ def alternating_reward(prompts, completions, **_):
     return [float(index % 2 == 0) for index in range(len(completions))]
 
 
+def act_as_an_avx512_bf16_cpu(monkeypatch) -> None:
+    """bitsandbytes believes this CPU has AVX512-BF16: Linear4bit layers made from now on take
+    its packed-layout decision (tests/test_cpu_paths.py). `raising=True`: a renamed detection
+    fails the test, not silently."""
+    import bitsandbytes.nn.modules
+
+    monkeypatch.setattr(bitsandbytes.nn.modules, "has_avx512bf16", lambda: True, raising=True)
+
+
 def computed_rows(rows: list[dict], leave_out: tuple[str, ...] = ()) -> list[dict]:
     """metrics.jsonl rows without the measured keys (and those starting with `leave_out`): what
     two runs of the same seed must agree on exactly."""

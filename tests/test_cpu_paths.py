@@ -14,25 +14,17 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import bitsandbytes
 import pytest
 import torch
 from safetensors.torch import load_file
 
 from grpo_cli.logs import read_metrics
 from grpo_cli.pipeline import run
-from helpers import ALTERNATING_REWARD, computed_rows, config, one_step
+from helpers import ALTERNATING_REWARD, act_as_an_avx512_bf16_cpu, computed_rows, config, one_step
 
-bitsandbytes = pytest.importorskip("bitsandbytes")
 QLORA = ["model.lora.enabled=true", "model.lora.r=4", "model.quantization=4bit",
          "model.lora.target_modules=[all-linear]"]
-
-
-def act_as_an_avx512_bf16_cpu(monkeypatch) -> None:
-    """bitsandbytes believes this CPU has AVX512-BF16: Linear4bit layers made from now on take
-    its packed-layout decision. `raising=True`: a renamed detection fails here, not silently."""
-    import bitsandbytes.nn.modules
-
-    monkeypatch.setattr(bitsandbytes.nn.modules, "has_avx512bf16", lambda: True, raising=True)
 
 
 def packed_layers(model: torch.nn.Module) -> list[str]:

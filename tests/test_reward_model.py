@@ -12,6 +12,7 @@ import torch
 
 from grpo_cli.config import ConfigError
 from grpo_cli.rewards.reward_model import reward_model
+from helpers import act_as_an_avx512_bf16_cpu
 
 # The module itself (`grpo_cli.rewards.reward_model` may be the function once rewards/__init__
 # exports it): its cache is what the load-once test looks at.
@@ -193,11 +194,8 @@ def test_works_as_a_configured_reward_function(rm_dir):
 
 @pytest.mark.parametrize("quantization", ["8bit", "4bit"])
 def test_quantized_scores_are_close_to_full_precision(rm_dir, quantization):
-    bitsandbytes = pytest.importorskip("bitsandbytes")
-    try:
-        scores = reward_model(PROMPTS, COMPLETIONS, path=rm_dir, device="cpu", quantization=quantization)
-    except (RuntimeError, NotImplementedError, ImportError) as error:
-        pytest.skip(f"bitsandbytes {bitsandbytes.__version__} cannot run {quantization} on this CPU: {error}")
+    # bitsandbytes (a dependency) runs 8bit and 4bit on every x86 CPU: a failure here is a failure.
+    scores = reward_model(PROMPTS, COMPLETIONS, path=rm_dir, device="cpu", quantization=quantization)
     full = reward_model(PROMPTS, COMPLETIONS, path=rm_dir, device="cpu")
     assert all(math.isfinite(s) for s in scores)
     # A 64-wide 2-layer model: int8 / nf4 rounding moves each score a little, not the ranking.
@@ -211,6 +209,21 @@ def test_quantized_scores_are_close_to_full_precision(rm_dir, quantization):
     assert correlation > 0.99
     model = rm_module.load_reward_model(rm_dir, "cpu", quantization).model
     assert type(model.model.layers[0].mlp.down_proj).__module__.startswith("bitsandbytes")
+
+
+def test_4bit_scores_are_the_same_whatever_bitsandbytes_detects(rm_dir, monkeypatch):
+    # On an AVX512-BF16 CPU bitsandbytes would repack the layers for its bfloat16 kernel at the
+    # first scoring pass (tests/test_cpu_paths.py): the scores would depend on the CPU.
+    from bitsandbytes.nn import Linear4bit
+
+    monkeypatch.setattr(rm_module, "_LOADED", {})  # bitsandbytes decides when the layers are made
+    plain = reward_model(PROMPTS, COMPLETIONS, path=rm_dir, device="cpu", quantization="4bit")
+    monkeypatch.setattr(rm_module, "_LOADED", {})
+    act_as_an_avx512_bf16_cpu(monkeypatch)
+    assert reward_model(PROMPTS, COMPLETIONS, path=rm_dir, device="cpu", quantization="4bit") == plain
+    model = rm_module.load_reward_model(rm_dir, "cpu", "4bit").model
+    layers = [m for m in model.modules() if isinstance(m, Linear4bit)]
+    assert layers and not any(getattr(m.weight.quant_state, "packing_format_for_cpu", False) for m in layers)
 
 
 def test_missing_folder_names_the_path(tmp_path):

@@ -200,7 +200,8 @@ def keep_4bit_weights_in_training_layout(model: torch.nn.Module) -> int:
     and, for a layer with a bias (Qwen2's q/k/v), fails on its in-place bias add. The packing
     also rounds the block scales to bfloat16, so the frozen base would no longer be the one
     loaded, and the sampler would draw from other weights than the update trains. So the policy's
-    layers keep the one layout every CPU and every pass share. bitsandbytes decides once per layer,
+    layers keep the one layout every CPU and every pass share (a 4-bit reward model too, for scores
+    that do not depend on the CPU). bitsandbytes decides once per layer,
     in `__init__`, from `has_avx512bf16()`; tests/test_cpu_paths.py forces that detection to True
     on any CPU and checks that no layer is ever packed."""
     from bitsandbytes.nn import Linear4bit

@@ -15,9 +15,8 @@ import warnings
 LOGGED_NOISE = (
     # On a CPU with AVX512-BF16, bitsandbytes 0.50 tries at import to fetch a faster kernel for its
     # packed 4-bit inference layout from the Hugging Face hub (the `kernels` package), once per
-    # process (every torchrun rank). The policy never takes that layout
-    # (models.keep_4bit_weights_in_training_layout), the hub is not reached offline, and a 4-bit
-    # reward model falls back to bitsandbytes' own kernel for the same layout.
+    # process (every torchrun rank). No model of ours takes that layout
+    # (models.keep_4bit_weights_in_training_layout), and the hub is not reached offline.
     ("bitsandbytes.backends.cpu.ops", "Failed to load CPU gemm_4bit_forward from kernels-community"),
 )
 

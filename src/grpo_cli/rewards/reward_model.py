@@ -126,6 +126,12 @@ def _load(path: str, device: torch.device, quantization: str, dtype: torch.dtype
         options["device_map"] = {"": device}
     tokenizer = AutoTokenizer.from_pretrained(path)
     model = AutoModelForSequenceClassification.from_pretrained(path, **options)
+    if quantization == "4bit":
+        from grpo_cli.models import keep_4bit_weights_in_training_layout
+
+        # Not for training here: for scores that are the same on every CPU (the packed kernel
+        # computes in bfloat16 on bfloat16-rounded scales, on AVX512-BF16 CPUs alone).
+        keep_4bit_weights_in_training_layout(model)
     if quantization == "none":
         model = model.to(device)
     model.eval().requires_grad_(False)
