@@ -24,7 +24,7 @@ from grpo_cli.distributed import (Distributed, launched_world_size, local_share,
                                   sampling_seed)
 from grpo_cli.logs import read_metrics
 from grpo_cli.validation import validate
-from helpers import TESTS_DIR, computed_rows, config, grpo_train, input_error
+from helpers import ALTERNATING_REWARD, TESTS_DIR, computed_rows, config, grpo_train, input_error
 
 TORCHRUN = str(Path(sys.executable).parent / "torchrun")
 
@@ -210,7 +210,8 @@ def test_lora_trains_under_both_modes(tmp_path, tiny_model_dir, mode):
 
     run_dir = tmp_path / "lora"
     torchrun("-m", "grpo_cli.cli", *QUICK, f"trainer.distributed={mode}", "trainer.steps=2", "model.lora.enabled=true",
-             "model.lora.r=4", "optimizer.lr=1e-2", f"hydra.run.dir={run_dir}", cwd=tmp_path)
+             "model.lora.r=4", "optimizer.lr=1e-2", ALTERNATING_REWARD,  # every step has a gradient
+             f"hydra.run.dir={run_dir}", cwd=tmp_path)
     checkpoint = run_dir / "checkpoints" / "step-000002"
     assert (checkpoint / "adapter_config.json").is_file() and not (checkpoint / "model.safetensors").exists()
     model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tiny_model_dir), checkpoint)

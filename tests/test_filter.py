@@ -24,7 +24,7 @@ from omegaconf import OmegaConf
 from grpo_cli.cli import config_dir
 from grpo_cli.config import ConfigError
 from grpo_cli.prompt_filter import KEPT, TOO_EASY, TOO_HARD, classify, filter_file, output_paths, write_atomically
-from helpers import TESTS_DIR, config, input_error, run_script
+from helpers import ALTERNATING_REWARD, TESTS_DIR, config, input_error, run_script
 
 ROWS = [  # interleaved, with fields the filter must copy as they are (nested, non-ASCII, numbers)
     {"prompt": "Question: what is 1 + 2? Answer:", "answer": "3", "difficulty": "easy", "id": 1},
@@ -133,12 +133,12 @@ def test_same_seed_same_result_and_csv_input(tmp_path, tiny_model_dir):
 def test_trainer_resume_filters_with_a_training_runs_policy(tmp_path, tiny_model_dir):
     from grpo_cli.pipeline import run
 
-    # 8 prompts x G=4: some group's rewards differ, so the step has a gradient (with 2 prompts,
-    # every completion can be wrong: zero advantages, beta 0, an unchanged model).
-    trained = run(config(tiny_model_dir, "trainer.steps=1", "data.eval_size=0", "trainer.beta=0",
-                         "data.prompts_per_step=8", f"trainer.output_dir={tmp_path / 'run'}"))
+    # The alternating reward gives every group an advantage, so the step moves the model whatever
+    # was sampled (with exact_match every completion can be wrong: beta 0, an unchanged model).
+    trained = run(config(tiny_model_dir, ALTERNATING_REWARD, "trainer.steps=1", "data.eval_size=0",
+                         "trainer.beta=0", f"trainer.output_dir={tmp_path / 'run'}"))
     metrics = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
-    assert metrics[-1]["advantage/zero_std_fraction"] < 1.0
+    assert metrics[-1]["advantage/zero_std_fraction"] == 0.0
     data = write_jsonl(tmp_path / "mixed.jsonl", ROWS)
     base = filter_in_process(tmp_path, tiny_model_dir, data, tmp_path / "base.jsonl")
     latest = filter_in_process(tmp_path, tiny_model_dir, data, tmp_path / "latest.jsonl",
@@ -149,8 +149,9 @@ def test_trainer_resume_filters_with_a_training_runs_policy(tmp_path, tiny_model
 
     assert summary(base)["checkpoint"] is None
     assert summary(latest)["checkpoint"] == str(trained.last_checkpoint)
-    # One step at lr 1e-2 moves the tiny model: the same seed draws other completions.
-    assert summary(base)["prompts"][2]["rewards"] != summary(latest)["prompts"][2]["rewards"]
+    # One step at lr 1e-2 moves the tiny model: the same seed draws other completions, which the
+    # mixed prompts' rewards (a hash of each completion's text) show.
+    assert any(summary(base)["prompts"][i]["rewards"] != summary(latest)["prompts"][i]["rewards"] for i in (2, 4))
 
 
 # ---------------------------------------------------------------- bad input, through the CLI

@@ -45,7 +45,6 @@ def test_lora_trains_the_adapter_only_and_its_reference_is_the_base(tiny_model_d
 
 
 def test_qlora_4bit_loads_and_trains_on_cpu(tiny_model_dir):
-    pytest.importorskip("bitsandbytes")
     cfg = config(tiny_model_dir, "model.lora.enabled=true", "model.lora.r=4",
                  "model.quantization=4bit", "model.lora.target_modules=[all-linear]")
     models, _, stats, changed, total = one_step(cfg)

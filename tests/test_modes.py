@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import subprocess
 import sys
-import zlib
 from pathlib import Path
 
 import pytest
@@ -25,9 +24,8 @@ from grpo_cli.prompts import PromptSource
 from grpo_cli.sampling import make_sampler
 from grpo_cli.update import update_policy
 from grpo_cli.validation import validate
-from helpers import config
+from helpers import ALTERNATING_REWARD, alternating_reward, config
 
-pytest.importorskip("bitsandbytes")
 GRPO_EXPORT = str(Path(sys.executable).parent / "grpo-export")
 
 # The tiny model (its config.json): hidden 128, 4 layers, 4 heads of 32, 2 KV heads (k, v: 64
@@ -54,11 +52,6 @@ MODES = {
 }
 
 
-def coin(prompts, completions, **_):
-    """A reward decided by each completion's text: groups almost always differ (a gradient)."""
-    return [float(zlib.crc32(text.encode()) % 2) for text in completions]
-
-
 def two_steps(cfg):
     """Two GRPO steps (sample, reward, advantages, update) -> (models, weights before, after),
     the weights as {name: tensor} over every tensor of the policy's state dict."""
@@ -71,7 +64,8 @@ def two_steps(cfg):
     before = {name: tensor.clone() for name, tensor in models.policy.state_dict().items()}
     for step in range(2):
         rollout = sampler.sample(models.policy, prompts.next_batch())
-        rewards = torch.tensor(coin(rollout.prompts, rollout.completions)).view(-1, rollout.group_size)
+        # Every group holds a 1 and a 0 by construction: both steps have a gradient.
+        rewards = torch.tensor(alternating_reward(rollout.prompts, rollout.completions)).view(-1, rollout.group_size)
         advantages = group_advantages(rewards, std_eps=1e-4, std_threshold=1e-4)
         update_policy(models, rollout, advantages, optimizer, scheduler, cfg.trainer, 1.0, beta_at(betas, step))
     return models, before, models.policy.state_dict()
@@ -117,13 +111,13 @@ def test_paged_optimizers_are_refused_on_the_cpu(tiny_model_dir):
 
 @pytest.fixture(scope="module")
 def lora_runs(tmp_path_factory, tiny_model_dir):
-    """A LoRA and a QLoRA run of 2 steps each, then resumed to 3. 8 prompts a step, so that some
-    group's rewards differ from the first step on (with 2, every completion can be wrong for
-    three steps: no advantage, an adapter still at 0, no KL, nothing trained)."""
+    """A LoRA and a QLoRA run of 2 steps each, then resumed to 3, on the alternating reward: every
+    step trains (with exact_match every completion can be wrong for three steps: no advantage,
+    an adapter still at 0, no KL, nothing trained)."""
     folders = {}
     for name, extra in (("lora", []), ("qlora", ["model.quantization=4bit"])):
         folder = tmp_path_factory.mktemp(name)
-        settings = [*LORA, *extra, "optimizer.lr=1e-2", "data.prompts_per_step=8", "data.eval_size=4",
+        settings = [*LORA, *extra, ALTERNATING_REWARD, "optimizer.lr=1e-2", "data.prompts_per_step=8", "data.eval_size=4",
                     "trainer.checkpoint_every=1", f"trainer.output_dir={folder}"]
         run(config(tiny_model_dir, *settings, "trainer.steps=2"))
         run(config(tiny_model_dir, *settings, "trainer.steps=3", "trainer.resume=true"))
