@@ -3,6 +3,8 @@ alternating step per side on the tiny bench model, each side in its own process.
 
 from __future__ import annotations
 
+import math
+
 import pytest
 
 from helpers import load_script
@@ -36,13 +38,31 @@ def test_the_phase_by_phase_timing_covers_the_step_and_has_floors():
 
 
 @pytest.mark.slow  # about 15 s
-def test_the_device_figures_run_on_the_cpu_and_the_mfu_is_below_the_measured_matmul_rate():
-    # --device cuda's code path, on the CPU in float32: with this machine's own large-matmul
-    # rate as the peak, the update's utilisation must come out between 0 and 1 (a FLOP count
-    # several times too high would push it above).
+def test_the_device_figures_run_on_the_cpu_and_the_mfu_counts_the_update_flops_derived_by_hand():
+    # --device cuda's code path, on the CPU in float32: it runs end to end and reports its
+    # fields, and the MFU divides the FLOP count derived here by hand. No timed ratio is checked
+    # (e.g. the MFU against a separately timed matmul peak): the two are timed at different
+    # moments, under whatever else runs, and AVX-512 raises a large matmul's rate more than the
+    # small update's, so such a ratio is a benchmark's figure, not a property of the code.
     bench = load_script("bench_step")
-    peak = bench.matmul_rate(4096, 256, 576) / 1e3  # TFLOP/s, the tiny model's MLP shape
-    figures = bench.device_figures("tiny", "cpu", steps=1, peak_tflops=peak, dtype="float32")
-    assert figures["sampling_tokens_per_second"] > 0 and figures["peak_memory_gb"] > 0.1
-    assert 0.05 < figures["update_mfu"] < 1.0
-    assert figures["step_seconds"] > figures["update_seconds"] > 0
+    peak_tflops = 1.0  # any peak: the MFU is the update's FLOP/s over it
+    figures = bench.device_figures("tiny", "cpu", steps=1, peak_tflops=peak_tflops, dtype="float32")
+    assert all(math.isfinite(value) and value > 0 for value in figures.values()), figures
+    assert figures["peak_memory_gb"] > 0.1  # the CPU's peak RSS, a loaded model and more
+    assert figures["step_seconds"] > figures["update_seconds"]  # the update is a part of the step
+
+    # The tiny bench model (bench_step.BENCH_SIZES): Qwen2, h = 256, i = 576, 4 layers, 4 heads of
+    # 64, 2 key/value heads (k/v width 128), q/k/v biases, vocabulary 277 (the bench tokenizer),
+    # tied embeddings. Per layer: q 256x256 + 256, k and v 256x128 + 128, o 256x256, gate/up/down
+    # 3 x 256x576, two norms of 256 = 65,792 + 2 x 32,896 + 65,536 + 442,368 + 512 = 640,000.
+    decoder_weights = 4 * 640_000
+    # One forward: 8 prompts of 12 tokens once (the shared prompt pass; every addition prompt is
+    # 12 bench tokens), then 64 completions x 63 tokens (min_new_tokens = 64: all 64 long; the
+    # last token is scored, never fed), 2 x weights per token; the head on the 64 x 64 scored
+    # positions, 2 x 256 x 277 per position. Attention's own matmuls are left out.
+    forward = 2 * decoder_weights * (8 * 12 + 64 * 63) + 2 * 256 * 277 * 64 * 64  # 21,716,271,104
+    # The update: the reference pass, the policy forward and the backward (twice a forward).
+    update_flops = 4 * forward
+    counted_flops = figures["update_tflops"] * 1e12 * figures["update_seconds"]  # the figures' own count
+    assert counted_flops == pytest.approx(update_flops, rel=1e-9)
+    assert figures["update_mfu"] == pytest.approx(figures["update_tflops"] / peak_tflops, rel=1e-9)
