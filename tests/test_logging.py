@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import io
 import json
+import sys
 from pathlib import Path
 
 import pytest
@@ -19,6 +20,7 @@ from grpo_cli.validation import validate
 from helpers import config
 
 FAKE_PACKAGES = str(Path(__file__).resolve().parent / "fake_packages")
+FAKE_NAMES = ("wandb", "mlflow")
 
 
 @pytest.fixture(scope="module")
@@ -105,11 +107,22 @@ def test_a_logger_whose_package_is_missing_is_named_before_anything_loads(tiny_m
     assert "logger=tensorboard or logger=jsonl" in message
 
 
-def test_wandb_and_mlflow_receive_every_step_and_the_samples(tmp_path, tiny_model_dir, monkeypatch):
+@pytest.fixture
+def fake_loggers(monkeypatch):
+    """The stand-ins as `wandb` and `mlflow`, for one test only: off sys.path and out of
+    sys.modules after it, as importlib.util.find_spec looks in sys.modules first, and a stand-in
+    left there reads as installed to every later test (the missing-logger check among them)."""
     monkeypatch.syspath_prepend(FAKE_PACKAGES)
     import mlflow
     import wandb
 
+    yield wandb, mlflow
+    for name in [name for name in sys.modules if name.split(".")[0] in FAKE_NAMES]:
+        del sys.modules[name]
+
+
+def test_wandb_and_mlflow_receive_every_step_and_the_samples(tmp_path, tiny_model_dir, fake_loggers):
+    wandb, mlflow = fake_loggers
     wandb.calls.clear(), mlflow.calls.clear()
     folder = tmp_path / "run"
     run(config(tiny_model_dir, "logger.wandb=true", "logger.mlflow=true", "logger.tensorboard=false",

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from grpo_cli.models import load_models
+from grpo_cli.sampling import completion_mask
 from grpo_cli.update import completion_log_probs
 from helpers import config, one_step
 
@@ -73,19 +74,36 @@ def test_with_dropout_disabled_two_training_forwards_agree(tiny_model_dir, disab
     assert torch.equal(first, second) == disable_dropout
 
 
-def make_first_group_truncated(rollout):
-    rollout.truncated[: rollout.group_size] = True
+def end_completions_after(tiny_model_dir, before_eos: list[int]):
+    """An edit_rollout for one_step that sets the completions by hand, whatever was sampled:
+    row i is before_eos[i] random tokens then EOS (then EOS as padding, as the samplers pad), or
+    random tokens only, truncated, where before_eos[i] >= max_new_tokens. The mask and truncated
+    flags follow from the EOS as the samplers' do; the decoded texts stay the sampled ones
+    (one_step rewards by position)."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+
+    def edit(rollout):
+        generator = torch.Generator().manual_seed(0)
+        ids = torch.randint(5, len(tokenizer), rollout.completion_ids.shape, generator=generator)  # never EOS (0)
+        ids[torch.arange(ids.shape[1]) >= torch.tensor(before_eos).unsqueeze(1)] = tokenizer.eos_token_id
+        rollout.completion_ids = ids
+        rollout.completion_mask, rollout.truncated = completion_mask(ids, tokenizer.eos_token_id)
+
+    return edit
 
 
 def test_mask_truncated_leaves_truncated_completions_out_of_the_loss(tiny_model_dir):
-    kept = one_step(config(tiny_model_dir, "trainer.mask_truncated=false"), make_first_group_truncated)
-    masked = one_step(config(tiny_model_dir, "trainer.mask_truncated=true"), make_first_group_truncated)
-    rollout = masked[1]  # the same draw in both runs (same seed)
-    assert rollout.truncated[: rollout.group_size].all()
-    # Some others ran out of the 4 new tokens by themselves: those are left out as well.
-    finished_tokens = int(rollout.completion_mask[~rollout.truncated].sum())
-    assert kept[2].tokens == int(rollout.completion_mask.sum())
-    assert 0 < masked[2].tokens == finished_tokens < kept[2].tokens
+    # The first group all cut off at the 4 new tokens, and two of the second (rows 4 and 6); rows
+    # 5 and 7 end after 1 and 2 tokens: 2 + 3 with their EOS, of 6 x 4 + 2 + 3 = 29 in all.
+    edit = end_completions_after(tiny_model_dir, [4, 4, 4, 4, 4, 1, 4, 2])
+    kept = one_step(config(tiny_model_dir, "trainer.mask_truncated=false"), edit)
+    masked = one_step(config(tiny_model_dir, "trainer.mask_truncated=true"), edit)
+    rollout = masked[1]
+    assert rollout.truncated.tolist() == [True] * 5 + [False, True, False]
+    assert kept[2].tokens == int(rollout.completion_mask.sum()) == 29
+    assert masked[2].tokens == int(rollout.completion_mask[~rollout.truncated].sum()) == 5
 
 
 def test_when_every_completion_is_truncated_and_masked_nothing_is_learned(tiny_model_dir):
@@ -211,19 +229,16 @@ def test_a_micro_batch_keeps_only_the_columns_its_rows_use():
 
 def test_micro_batches_of_different_widths_add_up_to_the_whole_step(tiny_model_dir):
     # Each micro-batch is cut to its own longest completion (and its prompts' padding); the loss,
-    # KL, entropy and gradient of the step are those of the step in one piece.
+    # KL, entropy and gradient of the step are those of the step in one piece. Completions of
+    # 1, 3 | 8, 2 | 5, 4 | 2, 6 tokens (the 8 truncated, the others with their EOS) make
+    # micro-batches of 2 rows 3, 8, 5 and 6 positions wide.
+    edit = end_completions_after(tiny_model_dir, [0, 2, 8, 1, 4, 3, 1, 5])
     stats = {}
     for micro in (0, 2):
         cfg = config(tiny_model_dir, f"trainer.micro_batch_size={micro}", "trainer.beta=0.04",
                      "sampler.max_new_tokens=8", "trainer.share_prompt_pass=false")
-        widths = []
-
-        def record_widths(rollout):
-            lengths = rollout.completion_mask.sum(dim=1)
-            widths.extend(int(lengths[start:start + 2].max()) for start in range(0, len(lengths), 2))
-
-        stats[micro] = one_step(cfg, record_widths)[2]
-    assert len(set(widths)) > 1  # the micro-batches really had different widths
+        _, rollout, stats[micro], _, _ = one_step(cfg, edit)
+    assert [int(rows.sum(dim=1).max()) for rows in rollout.completion_mask.split(2)] == [3, 8, 5, 6]
     for key in ("loss", "kl", "entropy", "grad_norm"):
         assert getattr(stats[2], key) == pytest.approx(getattr(stats[0], key), rel=1e-4, abs=1e-6), key
 
