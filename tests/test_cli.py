@@ -78,7 +78,7 @@ def test_resume_continues_step_counter_optimizer_and_metrics_exactly(three_step_
     assert "Resuming from" in result.stdout and "resumed/checkpoints/step-000003" in folded
     rows = read_metrics(run_dir)
     assert [row["step"] for row in rows] == [0, 1, 2, 3, 4, 5]
-    state = torch.load(run_dir / "checkpoints" / "step-000005" / "trainer_state.pt", weights_only=False)
+    state = torch.load(run_dir / "checkpoints" / "step-000005" / "trainer_state.pt", weights_only=True)
     assert state["step"] == 5
     adam_steps = {float(s["step"]) for s in state["optimizer"]["state"].values()}
     assert adam_steps == {5.0}  # 3 steps before the stop + 2 after: the moments were restored

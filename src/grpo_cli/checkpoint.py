@@ -15,9 +15,12 @@ reward.
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
+import pickle
 import random
+import re
 import shutil
 from pathlib import Path
 from typing import Any, Optional
@@ -36,7 +39,11 @@ def checkpoints_dir(output_dir: Path) -> Path:
 
 
 def rng_state() -> dict[str, Any]:
-    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    """Every RNG's state as tensors and plain values, so trainer_state.pt loads weights-only."""
+    numpy_state = np.random.get_state(legacy=False)  # {bit_generator, state: {key, pos}, has_gauss, gauss}
+    numpy_state["state"] = {"key": torch.from_numpy(numpy_state["state"]["key"].astype(np.int64)),
+                            "pos": int(numpy_state["state"]["pos"])}
+    state = {"python": random.getstate(), "numpy": numpy_state, "torch": torch.get_rng_state()}
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state_all()
     return state
@@ -44,7 +51,11 @@ def rng_state() -> dict[str, Any]:
 
 def set_rng_state(state: dict[str, Any]) -> None:
     random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
+    numpy_state = state["numpy"]
+    if isinstance(numpy_state, dict):  # ours; a checkpoint of an older grpo-cli holds numpy's tuple
+        key = np.asarray(numpy_state["state"]["key"].numpy(), dtype=np.uint32)
+        numpy_state = {**numpy_state, "state": {"key": key, "pos": numpy_state["state"]["pos"]}}
+    np.random.set_state(numpy_state)
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
@@ -156,9 +167,31 @@ def latest_checkpoint(output_dir: Path) -> Optional[Path]:
     return found[-1] if found else None
 
 
+# What an older grpo-cli's trainer_state.pt needs beyond tensors and plain values: numpy's RNG
+# key, a uint32 array. These only rebuild an array of plain numbers; they call nothing else.
+OLD_STATE_GLOBALS = (np.ndarray, np.dtype, type(np.dtype(np.uint32)), importlib.import_module(
+    "numpy._core.multiarray" if np.__version__ >= "2" else "numpy.core.multiarray")._reconstruct)
+
+
 def load_trainer_state(checkpoint: Path) -> dict[str, Any]:
-    # Our own file, holding numpy RNG state and optimizer tensors: not a weights-only pickle.
-    return torch.load(checkpoint / STATE_FILE, map_location="cpu", weights_only=False)
+    """trainer_state.pt, loaded weights-only: tensors and plain values, never code.
+
+    A checkpoint may come from a colleague, a bucket or a hub, and a full unpickling runs whatever
+    a pickled object's __reduce__ names (os.system, ...). A run writes nothing else into this
+    file, so anything else is refused, with the name of what the file asked for."""
+    path = checkpoint / STATE_FILE
+    try:
+        with torch.serialization.safe_globals(list(OLD_STATE_GLOBALS)):
+            return torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as error:
+        # torch names what the file asked for in one of two wordings
+        asked = re.search(r"GLOBAL ([\w.]+)|but got <class '([\w.]+)'>", str(error))
+        what = f"a {asked.group(1) or asked.group(2)}" if asked else "an object"
+        raise CheckpointError(
+            f"{path} holds {what}, not only tensors and plain "
+            "values: grpo-cli never writes that, and unpickling it could run any code the file carries. "
+            "It was not loaded. Resume only from checkpoints a grpo-cli run wrote."
+        ) from None
 
 
 def load_policy_weights(policy: torch.nn.Module, checkpoint: Path) -> None:
