@@ -1,18 +1,28 @@
 """What a user must be able to trust, each attack or fault provoked for real: a checkpoint from
-someone else runs no code when resumed (docs/ERRORS.md quotes the messages these tests see)."""
+someone else runs no code when resumed; non-finite settings are refused and non-finite weights
+never saved or resumed; a reward function that exits, hangs, returns a dict or edits its inputs
+costs its own scores, never the run's sense (docs/ERRORS.md quotes the messages these tests see)."""
 
 from __future__ import annotations
 
+import math
 import os
 import shutil
+import sys
+import time
 
 import numpy as np
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
 
-from grpo_cli.checkpoint import STATE_FILE, load_trainer_state, set_rng_state
+from grpo_cli.checkpoint import STATE_FILE, CheckpointError, load_trainer_state, save_checkpoint, set_rng_state
+from grpo_cli.config import ConfigError
+from grpo_cli.models import load_models
 from grpo_cli.pipeline import run
-from helpers import config, input_error
+from grpo_cli.rewards.api import RewardScorer, build_reward_functions, call_reward
+from grpo_cli.validation import validate
+from helpers import TESTS_DIR, config, input_error
 
 
 class RunsACommand:
@@ -70,3 +80,112 @@ def test_a_checkpoint_of_an_older_grpo_cli_still_resumes(one_step_run, tmp_path)
     torch.save({**state, "rng": {**state["rng"], "numpy": legacy}}, checkpoint / STATE_FILE)
     set_rng_state(load_trainer_state(checkpoint)["rng"])
     assert np.array_equal(np.random.rand(3), expected)
+
+
+# ---------------------------------------------------------------- non-finite settings and weights
+
+
+@pytest.mark.parametrize("override,expected", [
+    ("optimizer.lr=inf", "optimizer.lr=inf must be a finite number."),
+    ("optimizer.lr=nan", "optimizer.lr=nan must be a finite number."),
+    ("optimizer.weight_decay=nan", "optimizer.weight_decay=nan must be a finite number."),
+    ("optimizer.weight_decay=-0.1", "optimizer.weight_decay=-0.1 must be >= 0"),
+    ("optimizer.betas=[2,2]", "optimizer.betas=[2.0, 2.0] must be two numbers in [0, 1)"),
+    ("sampler.temperature=inf", "sampler.temperature=inf must be a finite number."),
+    ("trainer.std_eps=inf", "trainer.std_eps=inf must be a finite number."),
+    ("trainer.memory_budget_gb=nan", "trainer.memory_budget_gb=nan must be a finite number."),
+    ("trainer.seed=-1", "trainer.seed=-1 must be in [0, 2^32)"),
+    ("trainer.log_every=0", "trainer.log_every=0 must be at least 1"),
+    ("reward.timeout_s=-1", "reward.timeout_s=-1.0 must be >= 0"),
+])
+def test_non_finite_and_out_of_range_settings_are_refused(tiny_model_dir, override, expected):
+    # Before: lr=inf passed, turned every weight into NaN and exited 0; seed=-1 and log_every=0
+    # crashed with a traceback; the others trained nothing, silently.
+    with pytest.raises(ConfigError) as error:
+        validate(config(tiny_model_dir, override), check_files=False)
+    assert expected in str(error.value)
+
+
+def test_an_infinite_learning_rate_is_refused_by_grpo_train(tmp_path):
+    message = input_error("grpo-train", "optimizer.lr=inf", cwd=tmp_path)
+    assert "optimizer.lr=inf must be a finite number." in message
+
+
+def test_weights_that_hold_nan_are_never_saved_and_the_good_checkpoints_stay(tmp_path, tiny_model_dir):
+    models = load_models(config(tiny_model_dir).model, 0.0, torch.device("cpu"))
+    save_checkpoint(tmp_path, 1, models.policy, models.tokenizer, {}, {"reward_mean": 0.5}, keep_last=1)
+    with torch.no_grad():
+        next(models.policy.parameters())[0, 0] = math.nan
+    with pytest.raises(CheckpointError) as error:
+        save_checkpoint(tmp_path, 2, models.policy, models.tokenizer, {}, {"reward_mean": 0.9}, keep_last=1)
+    assert "The policy's weights hold NaN or inf at step 2 (model.embed_tokens.weight)" in str(error.value)
+    assert f"the newest checkpoint, {tmp_path / 'checkpoints' / 'step-000001'}, is kept" in str(error.value)
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step-000001"]  # keep_last=1 deleted nothing
+
+
+def test_resuming_a_checkpoint_whose_weights_hold_nan_is_refused(one_step_run, tmp_path, tiny_model_dir):
+    run_dir = tmp_path / "nan"
+    shutil.copytree(one_step_run, run_dir, ignore=shutil.ignore_patterns("metrics.jsonl", "*.log"))
+    weights_file = run_dir / "checkpoints" / "step-000001" / "model.safetensors"
+    weights = load_file(weights_file)
+    weights["model.norm.weight"][0] = math.nan
+    save_file(weights, weights_file, metadata={"format": "pt"})
+    message = input_error("grpo-train", f"model.name_or_path={tiny_model_dir}", "trainer.steps=2",
+                          "data.eval_size=0", "trainer.resume=true", f"hydra.run.dir={run_dir}", cwd=tmp_path)
+    assert "holds NaN or inf weights (model.norm.weight); a run cannot continue from it." in message
+
+
+# ---------------------------------------------------------------- reward functions that misbehave
+
+
+def exits(prompts, completions, **_):
+    sys.exit(3)  # as some libraries do on an error
+
+
+def hangs(prompts, completions, **_):
+    time.sleep(3600)
+
+
+def as_dict(prompts, completions, **_):
+    return {text: 1.0 for text in completions}
+
+
+def edits_the_completions(prompts, completions, **_):
+    completions[:] = ["edited"] * len(completions)
+    return [0.0] * len(completions)
+
+
+def counts_edited(prompts, completions, **_):
+    return [float(text == "edited") for text in completions]
+
+
+def test_a_reward_that_calls_sys_exit_stops_the_run_with_its_name(tmp_path):
+    # Before: exit code 0, no message, no checkpoint (and in a -m sweep no later job ran).
+    message = input_error("grpo-train", "reward.functions=[{_target_: test_trust.exits, weight: 1.0}]",
+                          "trainer.steps=2", "data.eval_size=0", cwd=tmp_path, env={"PYTHONPATH": TESTS_DIR})
+    assert "Reward function exits failed on 128 of 128 completions" in message
+    assert "the first failure: raised SystemExit: 3." in message
+
+
+def test_a_reward_that_hangs_is_cut_off_at_its_timeout(tmp_path):
+    started = time.monotonic()
+    message = input_error("grpo-train", "reward.functions=[{_target_: test_trust.hangs, weight: 1.0}]",
+                          "reward.timeout_s=1", "trainer.steps=2", "data.eval_size=0", cwd=tmp_path,
+                          env={"PYTHONPATH": TESTS_DIR})
+    assert time.monotonic() - started < 120  # one second of the hang, not an hour
+    assert "Reward function hangs failed on 128 of 128 completions" in message
+    assert "the first failure: ran longer than reward.timeout_s=1 s on 128 completions." in message
+
+
+def test_a_reward_that_returns_a_dict_loses_its_scores_instead_of_scoring_the_keys():
+    function = build_reward_functions([{"_target_": "test_trust.as_dict"}])[0]
+    result = call_reward(function, ["p", "p"], ["a", "b"], {})
+    assert result == ([None, None], 2, "returned a dict; a reward function returns a list of one number "
+                                        "(or None) per completion")
+
+
+def test_a_reward_that_edits_the_completions_does_not_change_what_the_next_one_scores():
+    scorer = RewardScorer([{"_target_": "test_trust.edits_the_completions"}, {"_target_": "test_trust.counts_edited"}])
+    completions = ["a", "b"]
+    rewards = scorer.score_texts(["p", "p"], completions, {}, (1, 2))
+    assert rewards.per_function["counts_edited"].tolist() == [[0.0, 0.0]] and completions == ["a", "b"]

@@ -102,6 +102,15 @@ def save_checkpoint(
     root = checkpoints_dir(output_dir)
     final = root / f"step-{step:06d}"
     staging = root / f".partial-{final.name}"
+    broken = non_finite_tensor(model_state if model_state is not None else policy.state_dict())
+    if broken is not None:  # saved, it would become the newest, and rotation would delete a good one
+        survivor = latest_checkpoint(output_dir)
+        raise CheckpointError(
+            f"The policy's weights hold NaN or inf at step {step} ({broken}), so checkpoint {final} was not "
+            f"written; {f'the newest checkpoint, {survivor}, is kept' if survivor else 'no checkpoint exists yet'}. "
+            "The run stopped: lower optimizer.lr (or set optimizer.max_grad_norm), then continue from a "
+            "good checkpoint with trainer.resume=true (or trainer.guard.enabled=true to roll back on its own)."
+        )
     try:
         root.mkdir(parents=True, exist_ok=True)
         shutil.rmtree(staging, ignore_errors=True)
@@ -127,6 +136,14 @@ def save_checkpoint(
     for old in checkpoints_to_delete(complete_checkpoints(output_dir), keep_last, keep_best):
         shutil.rmtree(old, ignore_errors=True)
     return final
+
+
+def non_finite_tensor(state: dict[str, Any]) -> Optional[str]:
+    """The name of the first floating tensor of a state dict that holds NaN or inf, else None."""
+    for name, tensor in state.items():
+        if torch.is_tensor(tensor) and tensor.is_floating_point() and not torch.isfinite(tensor).all():
+            return name
+    return None
 
 
 def checkpoints_to_delete(checkpoints: list[Path], keep_last: int, keep_best: int) -> list[Path]:

@@ -168,6 +168,10 @@ class RewardConfig:
     non-finite value) for more than this fraction of one call's completions: a bug, not bad luck."""
     workers: int = 4
     """Parallel sandboxed processes for code_execution (passed to rewards that take `workers`)."""
+    timeout_s: float = 600.0
+    """Seconds one reward function may take on one step's completions; past it, its scores of that
+    call are lost (and the run stops with its name, as for any function that fails on too many).
+    A hang would otherwise stop the run for ever, and keep a SIGTERM from ever being heard. 0: none."""
     normalize_each: bool = False
     """Z-score each function's scores within their group before the weighted sum, so a reward on a
     large scale does not drown a small one. The logged reward/mean stays the plain weighted sum."""

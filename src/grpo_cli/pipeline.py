@@ -19,7 +19,8 @@ from omegaconf import OmegaConf
 
 from grpo_cli.adaptive import AdaptiveGroupState, next_group_size
 from grpo_cli.advantages import group_advantages
-from grpo_cli.checkpoint import latest_checkpoint, load_trainer_state, save_checkpoint, set_rng_state
+from grpo_cli.checkpoint import (CheckpointError, latest_checkpoint, load_trainer_state, non_finite_tensor,
+                                 save_checkpoint, set_rng_state)
 from grpo_cli.config import BetaSchedule, ConfigError, beta_schedule, boosted_group_size, resume_mode
 from grpo_cli.console import sample_entries
 from grpo_cli.distributed import (SINGLE, Distributed, barrier, broadcast_from_main, full_states, is_sharded,
@@ -105,6 +106,10 @@ def train(cfg: Any, place: Distributed) -> RunResult:
     models, prompts, optimizer = parts.models, parts.prompts, parts.optimizer
     start_step, guard_state, state = 0, GuardState(), {}
     if resume_from is not None:
+        broken = non_finite_tensor(models.policy.state_dict())
+        if broken is not None:
+            raise CheckpointError(f"trainer.resume: {resume_from} holds NaN or inf weights ({broken}); a run "
+                                  "cannot continue from it. Resume from an earlier checkpoint (trainer.resume=PATH).")
         state = load_trainer_state(resume_from)
         load_optimizer_state(models.policy, optimizer, state["optimizer"], place)
         parts.scheduler.load_state_dict(state["scheduler"])

@@ -108,7 +108,6 @@ def validate(cfg: Any, check_files: bool = True) -> None:
         "trainer.keep_best": trainer.keep_best,
         "trainer.std_threshold": trainer.std_threshold,
         "trainer.checkpoint_every": trainer.checkpoint_every,
-        "trainer.log_every": trainer.log_every,
         "trainer.eval_every": trainer.eval_every,
         "trainer.std_eps": trainer.std_eps,
         "sampler.min_new_tokens": sampler.min_new_tokens,
@@ -117,6 +116,7 @@ def validate(cfg: Any, check_files: bool = True) -> None:
         "optimizer.max_grad_norm": cfg.optimizer.max_grad_norm,
     }
     problems += [f"{key}={value} must be >= 0." for key, value in non_negative.items() if not value >= 0]
+    problems += _non_finite_problems(cfg) + _range_problems(cfg)
     if trainer.clip_eps >= 1:
         problems.append(f"trainer.clip_eps={trainer.clip_eps} must be below 1 (the ratio is clipped at 1 - clip_eps).")
     if trainer.clip_eps_high is not None and not 0 <= trainer.clip_eps_high < math.inf:
@@ -218,6 +218,52 @@ def output_dir_problems(output_dir: Optional[str]) -> list[str]:
 RESUME_KEYS = ("model.name_or_path", "model.lora.enabled", "model.lora.r",
                "model.lora.target_modules", "model.quantization")
 LORA_SHAPE_KEYS = ("model.lora.r", "model.lora.target_modules")  # compared only when both use LoRA
+
+
+def _non_finite_problems(cfg: Any) -> list[str]:
+    """nan and inf pass the `<=` tests above (nan <= 0 is false) and then turn every weight into
+    NaN (optimizer.lr=inf) or a schedule into nothing: every number of these groups must be
+    finite. A reward function's own arguments are left to it."""
+    problems: list[str] = []
+
+    def walk(node: Any, key: str) -> None:
+        if isinstance(node, dict):
+            for name, value in node.items():
+                if key != "reward" or name != "functions":
+                    walk(value, f"{key}.{name}")
+        elif isinstance(node, list):
+            for index, value in enumerate(node):
+                walk(value, f"{key}[{index}]")
+        elif isinstance(node, float) and not math.isfinite(node):
+            problems.append(f"{key}={node} must be a finite number.")
+
+    for group in ("model", "data", "sampler", "reward", "optimizer", "trainer"):
+        walk(OmegaConf.to_container(cfg[group], resolve=True), group)
+    return problems
+
+
+def _range_problems(cfg: Any) -> list[str]:
+    """Settings that a run would take without complaint and then train nothing, or crash on."""
+    optimizer, trainer = cfg.optimizer, cfg.trainer
+    problems = []
+    if not optimizer.weight_decay >= 0:
+        problems.append(f"optimizer.weight_decay={optimizer.weight_decay} must be >= 0 (0.0 to 0.1 is usual).")
+    betas = list(optimizer.betas)
+    if len(betas) != 2 or not all(0 <= beta < 1 for beta in betas):
+        problems.append(f"optimizer.betas={betas} must be two numbers in [0, 1), e.g. [0.9, 0.999]: Adam's "
+                        "moving averages of the gradient and its square.")
+    for key, seed in (("trainer.seed", trainer.seed), ("data.seed", cfg.data.seed)):
+        if not 0 <= seed < 2**32:
+            problems.append(f"{key}={seed} must be in [0, 2^32): torch, numpy and Python take it as their seed.")
+    if trainer.log_every < 1:
+        problems.append(f"trainer.log_every={trainer.log_every} must be at least 1 (a console line every "
+                        "that many steps; metrics.jsonl gets every step whatever it is).")
+    if trainer.memory_budget_gb is not None and not trainer.memory_budget_gb > 0:
+        problems.append(f"trainer.memory_budget_gb={trainer.memory_budget_gb} must be positive, or null for "
+                        "what this machine has.")
+    if not cfg.reward.timeout_s >= 0:
+        problems.append(f"reward.timeout_s={cfg.reward.timeout_s} must be >= 0 (0: no limit).")
+    return problems
 
 
 def resume_problems(cfg: Any) -> list[str]:

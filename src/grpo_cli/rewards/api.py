@@ -9,9 +9,13 @@ call's completions stops the run, with a message naming it (a bug, not a bad com
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 import math
+import signal
+import threading
+from collections.abc import Iterable, Iterator, Mapping, Set
 from dataclasses import dataclass
 from typing import Any, Callable, NamedTuple
 
@@ -79,28 +83,66 @@ class RewardCall(NamedTuple):
     error: str | None  # why the first failure happened; None when nothing failed
 
 
+class RewardTimeout(BaseException):
+    """Raised inside a reward function that runs past reward.timeout_s. A BaseException, so that
+    a function's own `except Exception` does not swallow it."""
+
+
+@contextlib.contextmanager
+def time_limit(seconds: float | None) -> Iterator[None]:
+    """Raise RewardTimeout in the code running within, once `seconds` have passed (SIGALRM: the
+    main thread only; elsewhere, and for 0 or None, no limit). Python code is stopped wherever it
+    is, a sleep or a blocking read included; a C loop that never returns to Python is not."""
+    if not seconds or threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def expire(signum, frame):
+        raise RewardTimeout
+
+    previous = signal.signal(signal.SIGALRM, expire)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+
+
 def call_reward(function: RewardFunction, prompts: list[str], completions: list[str],
-                columns: dict[str, list[Any]]) -> RewardCall:
+                columns: dict[str, list[Any]], timeout: float | None = None) -> RewardCall:
     """Call one reward function on a batch, never raising.
 
-    - The batch call raises: the function is called again on each completion alone, so one
-      malformed completion costs only its own score; the ones that still raise are lost.
-    - A wrong number of values: the whole batch is lost (the values cannot be matched up).
+    - The batch call raises (SystemExit included: libraries call sys.exit): the function is
+      called again on each completion alone, so one malformed completion costs only its own
+      score; the ones that still raise are lost.
+    - It runs past `timeout` seconds: the whole batch is lost, with no retry (a hang is a bug).
+    - It returns no sequence (a dict would be scored by its keys, a set in no order), or a wrong
+      number of values: the whole batch is lost (the values cannot be matched up).
     - A value that is not a finite number or None (NaN, inf, a string): that value is lost.
-    Lost scores are None and counted in `failures`.
+    Lost scores are None and counted in `failures`. The function gets its own copies of the lists,
+    so one that edits them cannot change what the next function scores.
     """
     count = len(completions)
     passed = {
-        key: values
+        key: list(values)
         for key, values in columns.items()
         if function.accepts_any_column or key in function.column_names
     }
     try:
-        values = list(function.fn(prompts, completions, **passed))
-    except Exception as error:  # a user's function may fail in any way; the run goes on
+        with time_limit(timeout):
+            returned = function.fn(list(prompts), list(completions), **passed)
+            if isinstance(returned, (Mapping, Set, str, bytes)) or not isinstance(returned, Iterable):
+                return RewardCall([None] * count, count, f"returned a {type(returned).__name__}; a reward "
+                                  "function returns a list of one number (or None) per completion")
+            values = list(returned)  # within the limit: a generator runs here
+    except RewardTimeout:
+        return RewardCall([None] * count, count, f"ran longer than reward.timeout_s={timeout:g} s on "
+                          f"{count} completions")
+    except (Exception, SystemExit) as error:  # a user's function may fail in any way; the run goes on
         if count == 1:
             return RewardCall([None], 1, f"raised {type(error).__name__}: {error}")
-        return _call_one_by_one(function, prompts, completions, passed)
+        return _call_one_by_one(function, prompts, completions, passed, timeout)
     if len(values) != count:
         return RewardCall([None] * count, count, f"returned {len(values)} values for {count} completions")
     scores: list[float | None] = []
@@ -116,12 +158,12 @@ def call_reward(function: RewardFunction, prompts: list[str], completions: list[
 
 
 def _call_one_by_one(function: RewardFunction, prompts: list[str], completions: list[str],
-                     passed: dict[str, list[Any]]) -> RewardCall:
+                     passed: dict[str, list[Any]], timeout: float | None) -> RewardCall:
     scores: list[float | None] = []
     failures, why = 0, None
     for index in range(len(completions)):
         single = {key: values[index:index + 1] for key, values in passed.items()}
-        result = call_reward(function, prompts[index:index + 1], completions[index:index + 1], single)
+        result = call_reward(function, prompts[index:index + 1], completions[index:index + 1], single, timeout)
         scores.append(result.values[0] if len(result.values) == 1 else None)
         failures += result.failures
         why = why or result.error
@@ -157,20 +199,22 @@ class RewardScorer:
     """
 
     def __init__(self, entries: Any, clip: Any = None, normalize_each: bool = False,
-                 std_eps: float = 1e-4, max_error_fraction: float = 1.0, workers: int = 1):
+                 std_eps: float = 1e-4, max_error_fraction: float = 1.0, workers: int = 1,
+                 timeout: float | None = None):
         self.functions = build_reward_functions(entries, shared={"workers": workers})
         self.weights = {function.name: function.weight for function in self.functions}
         self.clip = (float(clip[0]), float(clip[1])) if clip is not None else None
         self.normalize_each = normalize_each
         self.std_eps = std_eps
         self.max_error_fraction = max_error_fraction
+        self.timeout = timeout
 
     @classmethod
     def from_config(cls, reward: Any, std_eps: float) -> "RewardScorer":
         """From the reward config group (functions, clip, normalize_each, max_error_fraction,
-        workers) and trainer.std_eps."""
+        workers, timeout_s) and trainer.std_eps."""
         return cls(reward.functions, reward.clip, reward.normalize_each, std_eps,
-                   reward.max_error_fraction, reward.workers)
+                   reward.max_error_fraction, reward.workers, reward.timeout_s)
 
     @property
     def names(self) -> list[str]:
@@ -180,7 +224,7 @@ class RewardScorer:
                     columns: dict[str, list[Any]], shape: tuple[int, ...]) -> Rewards:
         per_function, errors, error_counts = {}, {}, {}
         for function in self.functions:
-            values, failures, error = call_reward(function, prompts, completions, columns)
+            values, failures, error = call_reward(function, prompts, completions, columns, self.timeout)
             error_counts[function.name] = failures
             if error is not None:
                 errors[function.name] = error
