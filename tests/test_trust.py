@@ -1,6 +1,6 @@
 """What a user must be able to trust, each attack or fault provoked for real: a checkpoint from
 someone else runs no code when resumed; non-finite settings are refused and non-finite weights
-never saved or resumed; a reward function that exits, hangs, returns a dict or edits its inputs
+never saved or resumed; a full disk costs the checkpoint being written, never the last one; a reward function that exits, hangs, returns a dict or edits its inputs
 costs its own scores, never the run's sense (docs/ERRORS.md quotes the messages these tests see)."""
 
 from __future__ import annotations
@@ -8,6 +8,7 @@ from __future__ import annotations
 import math
 import os
 import shutil
+import subprocess
 import sys
 import time
 
@@ -22,7 +23,7 @@ from grpo_cli.models import load_models
 from grpo_cli.pipeline import run
 from grpo_cli.rewards.api import RewardScorer, build_reward_functions, call_reward
 from grpo_cli.validation import validate
-from helpers import TESTS_DIR, config, input_error
+from helpers import GRPO_TRAIN, TESTS_DIR, config, input_error
 
 
 class RunsACommand:
@@ -189,3 +190,28 @@ def test_a_reward_that_edits_the_completions_does_not_change_what_the_next_one_s
     completions = ["a", "b"]
     rewards = scorer.score_texts(["p", "p"], completions, {}, (1, 2))
     assert rewards.per_function["counts_edited"].tolist() == [[0.0, 0.0]] and completions == ["a", "b"]
+
+
+# ---------------------------------------------------------------- a full disk
+
+
+def test_a_full_disk_at_a_checkpoint_keeps_the_last_complete_one_and_says_so(tmp_path):
+    # A 12 MB tmpfs as the run folder's disk, in a mount namespace of its own: step 1's checkpoint
+    # (7.3 MB: weights, Adam's two moments) fits, step 2's does not. torch.save reports it as a
+    # RuntimeError ("[enforce fail at inline_container.cc:672] unexpected pos"), which used to end
+    # the run with a traceback and leave .partial-step-000002 filling the disk.
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    script = (f"mount -t tmpfs -o size=12m tmpfs {disk} || exit 97\n"
+              f"{GRPO_TRAIN} trainer.steps=2 trainer.checkpoint_every=1 data.eval_size=0 "
+              f"hydra.run.dir={disk}/run 2>{disk}/stderr\n"
+              f'echo "exit $?"; ls -a {disk}/run/checkpoints; cat {disk}/stderr\n')
+    result = subprocess.run(["unshare", "--map-root-user", "--mount", "sh", "-c", script], capture_output=True,
+                            text=True, timeout=600, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    assert result.returncode == 0, result.stderr  # 97: this machine lets no test mount a small disk
+    output = " ".join(result.stdout.split())
+    assert "exit 2" in output and "Traceback" not in output, output[-3000:]
+    assert ". .. step-000001 " in output  # no .partial-step-000002 left
+    run = disk / "run" / "checkpoints"
+    assert (f"Could not write checkpoint {run / 'step-000002'}: No space left on device. The partial copy "
+            f"was removed and the newest complete checkpoint, {run / 'step-000001'}, is intact.") in output

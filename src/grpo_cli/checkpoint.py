@@ -27,6 +27,7 @@ from typing import Any, Optional
 
 import numpy as np
 import torch
+from safetensors import SafetensorError
 
 from grpo_cli.config import ConfigError
 
@@ -120,12 +121,13 @@ def save_checkpoint(
         torch.save({**trainer_state, "step": step, "rng": rng_state()}, staging / STATE_FILE)
         (staging / META_FILE).write_text(json.dumps({"step": step, **meta}, indent=2) + "\n")
         _fsync_tree(staging)
-    except OSError as error:
+    except (OSError, RuntimeError, SafetensorError) as error:  # torch.save says a full disk as a RuntimeError
+        reason = _why_not_written(error, root)  # before the partial copy is removed: the disk is still full
         shutil.rmtree(staging, ignore_errors=True)
         survivor = latest_checkpoint(output_dir)
         kept = f"the newest complete checkpoint, {survivor}, is intact" if survivor else "no earlier checkpoint exists"
         raise CheckpointError(
-            f"Could not write checkpoint {final}: {error.strerror or error}. The partial copy was "
+            f"Could not write checkpoint {final}: {reason}. The partial copy was "
             f"removed and {kept}. Free space (or fix the folder's permissions), then continue "
             "with trainer.resume=true."
         ) from None
@@ -136,6 +138,20 @@ def save_checkpoint(
     for old in checkpoints_to_delete(complete_checkpoints(output_dir), keep_last, keep_best):
         shutil.rmtree(old, ignore_errors=True)
     return final
+
+
+def _why_not_written(error: BaseException, root: Path) -> str:
+    """The reason in the user's words. torch.save reports a full disk as "[enforce fail at
+    inline_container.cc:672] unexpected pos ..." and safetensors as an IoError: where the disk has
+    almost no room left (under 64 MiB, the partial copy still on it), that is the reason."""
+    if isinstance(error, OSError) and error.strerror:
+        return error.strerror
+    try:
+        nearly_full = shutil.disk_usage(root).free < 64 * 2**20
+    except OSError:
+        nearly_full = False
+    first_line = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+    return "No space left on device" if nearly_full else first_line
 
 
 def non_finite_tensor(state: dict[str, Any]) -> Optional[str]:
