@@ -1,7 +1,11 @@
-"""What a user must be able to trust, each attack or fault provoked for real: a checkpoint from
-someone else runs no code when resumed; non-finite settings are refused and non-finite weights
-never saved or resumed; a full disk costs the checkpoint being written, never the last one; a reward function that exits, hangs, returns a dict or edits its inputs
-costs its own scores, never the run's sense (docs/ERRORS.md quotes the messages these tests see)."""
+"""What a user must be able to trust, each attack or fault provoked for real:
+- a checkpoint from someone else runs no code when resumed;
+- non-finite settings are refused, and non-finite weights are never saved nor resumed;
+- a full disk costs the checkpoint being written, never the last complete one;
+- two runs never share a folder;
+- a reward function that exits, hangs, returns a dict or edits its inputs costs its own scores.
+docs/ERRORS.md quotes the messages these tests see.
+"""
 
 from __future__ import annotations
 
@@ -22,6 +26,7 @@ from grpo_cli.config import ConfigError
 from grpo_cli.models import load_models
 from grpo_cli.pipeline import run
 from grpo_cli.rewards.api import RewardScorer, build_reward_functions, call_reward
+from grpo_cli.run_lock import hold_run_folder
 from grpo_cli.validation import validate
 from helpers import GRPO_TRAIN, TESTS_DIR, config, input_error
 
@@ -215,3 +220,40 @@ def test_a_full_disk_at_a_checkpoint_keeps_the_last_complete_one_and_says_so(tmp
     run = disk / "run" / "checkpoints"
     assert (f"Could not write checkpoint {run / 'step-000002'}: No space left on device. The partial copy "
             f"was removed and the newest complete checkpoint, {run / 'step-000001'}, is intact.") in output
+
+
+# ---------------------------------------------------------------- two runs in one folder
+
+HOLDS_THE_FOLDER = """
+import sys, time
+from pathlib import Path
+from grpo_cli.run_lock import hold_run_folder
+with hold_run_folder(Path(sys.argv[1])):
+    print("holding", flush=True)
+    time.sleep(600)
+"""
+
+
+def test_a_second_run_in_a_folder_in_use_is_refused_with_the_other_runs_pid(tmp_path):
+    # Before: both ran, interleaving metrics.jsonl, and collided on checkpoints.
+    folder = tmp_path / "run"
+    with hold_run_folder(folder):  # this test process is the first run
+        message = input_error("grpo-train", "trainer.steps=1", f"hydra.run.dir={folder}", cwd=tmp_path)
+    assert f"{folder} is in use by another grpo-train run (pid {os.getpid()} on " in message
+    assert "Wait for it to end (or stop it), or give this run another folder (hydra.run.dir=...)." in message
+    assert not (folder / "metrics.jsonl").exists()  # the second run wrote nothing
+
+
+def test_the_lock_goes_with_its_run_even_after_kill_9(tmp_path):
+    folder = tmp_path / "run"
+    holder = subprocess.Popen([sys.executable, "-c", HOLDS_THE_FOLDER, str(folder)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline() == "holding\n"
+        with pytest.raises(ConfigError, match=f"pid {holder.pid} on "):
+            with hold_run_folder(folder):
+                pass
+    finally:
+        holder.kill()
+        holder.wait()
+    with hold_run_folder(folder):  # no stale lock to clean up
+        pass

@@ -7,6 +7,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import random
 import time
 from dataclasses import dataclass
@@ -37,6 +38,7 @@ from grpo_cli.optim import make_optimizer, make_scheduler
 from grpo_cli.prompts import PromptSource, train_and_eval_rows
 from grpo_cli.records import Advantages, Rewards, Rollout, UpdateStats
 from grpo_cli.rewards.api import RewardScorer
+from grpo_cli.run_lock import hold_run_folder
 from grpo_cli.run_summary import summarize_run
 from grpo_cli.sampling import make_sampler
 from grpo_cli.stopping import StopRequests
@@ -83,8 +85,10 @@ def run(cfg: Any) -> Optional[RunResult]:
         return None
     validate(cfg)
     place = join_process_group(cfg.trainer.distributed)  # SINGLE unless started by torchrun
+    folder = cfg.trainer.output_dir  # rank 0's: the one it writes to (train raises when it is unset)
     try:
-        return train(cfg, place)
+        with hold_run_folder(Path(folder)) if folder and place.is_main else contextlib.nullcontext():
+            return train(cfg, place)
     finally:
         leave_process_group()
 
