@@ -3,12 +3,14 @@
 - non-finite settings are refused, and non-finite weights are never saved nor resumed;
 - a full disk costs the checkpoint being written, never the last complete one;
 - two runs never share a folder;
+- a damaged newest checkpoint is passed over, saying so; another model's is refused;
 - a reward function that exits, hangs, returns a dict or edits its inputs costs its own scores.
 docs/ERRORS.md quotes the messages these tests see.
 """
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import shutil
@@ -21,7 +23,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from grpo_cli.checkpoint import STATE_FILE, CheckpointError, load_trainer_state, save_checkpoint, set_rng_state
+from grpo_cli.checkpoint import (STATE_FILE, CheckpointError, checkpoint_damage, load_trainer_state, save_checkpoint,
+                                 set_rng_state)
 from grpo_cli.config import ConfigError
 from grpo_cli.models import load_models
 from grpo_cli.pipeline import run
@@ -257,3 +260,81 @@ def test_the_lock_goes_with_its_run_even_after_kill_9(tmp_path):
         holder.wait()
     with hold_run_folder(folder):  # no stale lock to clean up
         pass
+
+
+# ---------------------------------------------------------------- damaged checkpoints, another model's
+
+
+@pytest.fixture(scope="module")
+def two_checkpoints(tmp_path_factory, tiny_model_dir):
+    folder = tmp_path_factory.mktemp("two")
+    run(config(tiny_model_dir, "trainer.steps=2", "trainer.checkpoint_every=1", "trainer.keep_last=2",
+               "data.eval_size=0", f"trainer.output_dir={folder}"))
+    return folder
+
+
+def cut_in_half(path):
+    with open(path, "r+b") as handle:
+        handle.truncate(path.stat().st_size // 2)
+
+
+DAMAGES = {  # how a checkpoint is damaged -> what the run says of it (how it starts)
+    "cut-off weights": (lambda c: cut_in_half(c / "model.safetensors"),
+                        "model.safetensors is cut off or damaged (Error while deserializing header: incomplete "
+                        "metadata, file not fully covered)"),
+    "garbage trainer state": (lambda c: (c / STATE_FILE).write_bytes(b"not a checkpoint" * 8),
+                              "trainer_state.pt cannot be read: it is cut off, or not a file torch.save wrote"),
+    "no config.json": (lambda c: (c / "config.json").unlink(),
+                       "it has no config.json (nor adapter_config.json): no model can be loaded from it"),
+}
+
+
+@pytest.mark.parametrize("damage", list(DAMAGES))
+def test_resume_passes_over_a_damaged_newest_checkpoint_saying_so(two_checkpoints, tmp_path, tiny_model_dir,
+                                                                  capsys, damage):
+    # Before: each crashed the resumed run with a traceback.
+    folder = tmp_path / "run"
+    shutil.copytree(two_checkpoints, folder)
+    damaged = folder / "checkpoints" / "step-000002"
+    spoil, reason = DAMAGES[damage]
+    spoil(damaged)
+    with pytest.raises(ConfigError) as error:  # named by path: refused, with the reason
+        validate(config(tiny_model_dir, f"trainer.resume={damaged}", f"trainer.output_dir={folder}"))
+    assert f"trainer.resume={damaged}: the checkpoint cannot be resumed: {reason}" in str(error.value)
+
+    result = run(config(tiny_model_dir, "trainer.steps=3", "trainer.checkpoint_every=1", "trainer.keep_last=2",
+                        "data.eval_size=0", "trainer.resume=true", f"trainer.output_dir={folder}"))
+    printed = "".join(capsys.readouterr().out.split())  # the console folds lines longer than 80 columns
+    assert "".join(f"Skipping checkpoint {damaged}: {reason}".split()) in printed
+    assert "Resumingfromthenewestonebeforeitthatloads." in printed
+    assert "".join(f"Resuming from {folder / 'checkpoints' / 'step-000001'} (step 1).".split()) in printed
+    assert result.last_checkpoint.name == "step-000003" and checkpoint_damage(damaged) is None  # step 2 redone
+
+
+def test_a_checkpoint_of_another_model_is_refused_before_anything_loads(two_checkpoints, tmp_path, tiny_model_dir):
+    # Copied away from its run (no config.yaml beside it), full weights of the tiny model, resumed
+    # with another base: before, it passed validation and the run crashed in the embedding.
+    checkpoint = tmp_path / "copied" / "step-000002"
+    shutil.copytree(two_checkpoints / "checkpoints" / "step-000002", checkpoint)
+    other = tmp_path / "other-model"
+    shutil.copytree(tiny_model_dir, other)
+    shape = json.loads((other / "config.json").read_text())
+    (other / "config.json").write_text(json.dumps({**shape, "hidden_size": 64}))
+    with pytest.raises(ConfigError) as error:
+        validate(config(tiny_model_dir, f"model.name_or_path={other}", f"trainer.resume={checkpoint}",
+                        f"trainer.output_dir={tmp_path / 'new'}"))
+    assert (f"trainer.resume={checkpoint}: the checkpoint is another model than model.name_or_path={other} "
+            "(hidden_size 128 against 64)") in str(error.value)
+
+
+def test_a_model_folder_whose_config_transformers_rejects_is_named_with_the_reason(tmp_path, tiny_model_dir):
+    # transformers 5 checks a config's fields against each other (StrictDataclassError, no
+    # ValueError): before, validate ended in its traceback.
+    other = tmp_path / "model"
+    shutil.copytree(tiny_model_dir, other)
+    shape = json.loads((other / "config.json").read_text())
+    (other / "config.json").write_text(json.dumps({**shape, "num_hidden_layers": 2}))  # 4 layer_types
+    with pytest.raises(ConfigError) as error:
+        validate(config(tiny_model_dir, f"model.name_or_path={other}"))
+    assert f"model.name_or_path={other}: {other / 'config.json'} cannot be read (" in str(error.value)
+    assert "`num_hidden_layers` (2) must be equal to the number of `layer_types` (4)" in str(error.value)

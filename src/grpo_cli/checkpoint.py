@@ -27,7 +27,7 @@ from typing import Any, Optional
 
 import numpy as np
 import torch
-from safetensors import SafetensorError
+from safetensors import SafetensorError, safe_open
 
 from grpo_cli.config import ConfigError
 
@@ -150,8 +150,7 @@ def _why_not_written(error: BaseException, root: Path) -> str:
         nearly_full = shutil.disk_usage(root).free < 64 * 2**20
     except OSError:
         nearly_full = False
-    first_line = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-    return "No space left on device" if nearly_full else first_line
+    return "No space left on device" if nearly_full else _first_line(error)
 
 
 def non_finite_tensor(state: dict[str, Any]) -> Optional[str]:
@@ -206,16 +205,17 @@ OLD_STATE_GLOBALS = (np.ndarray, np.dtype, type(np.dtype(np.uint32)), importlib.
     "numpy._core.multiarray" if np.__version__ >= "2" else "numpy.core.multiarray")._reconstruct)
 
 
-def load_trainer_state(checkpoint: Path) -> dict[str, Any]:
+def load_trainer_state(checkpoint: Path, mmap: bool = False) -> dict[str, Any]:
     """trainer_state.pt, loaded weights-only: tensors and plain values, never code.
 
     A checkpoint may come from a colleague, a bucket or a hub, and a full unpickling runs whatever
     a pickled object's __reduce__ names (os.system, ...). A run writes nothing else into this
-    file, so anything else is refused, with the name of what the file asked for."""
+    file, so anything else is refused, with the name of what the file asked for. `mmap`: map
+    the tensors instead of reading them (to check a file cheaply)."""
     path = checkpoint / STATE_FILE
     try:
         with torch.serialization.safe_globals(list(OLD_STATE_GLOBALS)):
-            return torch.load(path, map_location="cpu", weights_only=True)
+            return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
     except pickle.UnpicklingError as error:
         # torch names what the file asked for in one of two wordings
         asked = re.search(r"GLOBAL ([\w.]+)|but got <class '([\w.]+)'>", str(error))
@@ -225,6 +225,51 @@ def load_trainer_state(checkpoint: Path) -> dict[str, Any]:
             "values: grpo-cli never writes that, and unpickling it could run any code the file carries. "
             "It was not loaded. Resume only from checkpoints a grpo-cli run wrote."
         ) from None
+
+
+def checkpoint_damage(checkpoint: Path) -> Optional[str]:
+    """Why a complete checkpoint cannot be resumed (a file cut off, overwritten, missing, or
+    holding code), else None. Cheap: the weights' headers are read, the trainer state is mapped."""
+    try:
+        if not isinstance(json.loads((checkpoint / META_FILE).read_text()), dict):
+            return f"{META_FILE} is not a JSON object"
+    except (OSError, ValueError) as error:
+        return f"{META_FILE} cannot be read ({error})"
+    if not (checkpoint / "adapter_config.json").is_file() and not (checkpoint / "config.json").is_file():
+        return "it has no config.json (nor adapter_config.json): no model can be loaded from it"
+    weights = sorted(checkpoint.glob("*.safetensors"))
+    if not weights:
+        return "it holds no .safetensors weights"
+    for file in weights:
+        try:
+            with safe_open(file, "pt"):
+                pass
+        except (SafetensorError, OSError) as error:
+            return f"{file.name} is cut off or damaged ({error})"
+    try:
+        load_trainer_state(checkpoint, mmap=True)
+    except CheckpointError as error:
+        return str(error)
+    except Exception as error:  # torch's zip reader fails in many ways on a cut-off or foreign file
+        return f"{STATE_FILE} cannot be read: it is cut off, or not a file torch.save wrote ({_first_line(error)})"
+    return None
+
+
+def newest_resumable(output_dir: Path) -> tuple[Optional[Path], list[tuple[Path, str]]]:
+    """The newest complete checkpoint of a run that can be resumed, and the newer ones passed over
+    as damaged, newest first, each with why (checkpoint_damage)."""
+    skipped: list[tuple[Path, str]] = []
+    for checkpoint in reversed(complete_checkpoints(output_dir)):
+        damage = checkpoint_damage(checkpoint)
+        if damage is None:
+            return checkpoint, skipped
+        skipped.append((checkpoint, damage))
+    return None, skipped
+
+
+def _first_line(error: BaseException) -> str:
+    text = str(error).strip()
+    return text.splitlines()[0] if text else type(error).__name__
 
 
 def load_policy_weights(policy: torch.nn.Module, checkpoint: Path) -> None:

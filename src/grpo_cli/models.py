@@ -119,12 +119,16 @@ def _local_folder(cfg: ModelConfig) -> Optional[str]:
             f"model.name_or_path={cfg.name_or_path}: the folder has no config.json, so it is "
             "not a Hugging Face model folder (save one with model.save_pretrained(folder))."
         )
+    from huggingface_hub.errors import StrictDataclassError  # transformers 5 checks configs with it
+
     try:
         AutoConfig.from_pretrained(str(folder), trust_remote_code=cfg.trust_remote_code)
-    except (OSError, ValueError) as error:
+    except (OSError, ValueError, StrictDataclassError) as error:
+        # one line: a StrictDataclassError says its cause on the lines after the first
+        reason = " ".join(str(error).split()) if isinstance(error, StrictDataclassError) else _first_line(error)
         raise ConfigError(
             f"model.name_or_path={cfg.name_or_path}: {config_file} cannot be read "
-            f"({_first_line(error)}). Restore it from the model's source (or save the model again "
+            f"({reason}). Restore it from the model's source (or save the model again "
             "with save_pretrained)."
         ) from None
     return str(folder)

@@ -12,7 +12,7 @@ import random
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import numpy as np
 import torch
@@ -20,8 +20,8 @@ from omegaconf import OmegaConf
 
 from grpo_cli.adaptive import AdaptiveGroupState, next_group_size
 from grpo_cli.advantages import group_advantages
-from grpo_cli.checkpoint import (CheckpointError, latest_checkpoint, load_trainer_state, non_finite_tensor,
-                                 save_checkpoint, set_rng_state)
+from grpo_cli.checkpoint import (CheckpointError, latest_checkpoint, load_trainer_state, newest_resumable,
+                                 non_finite_tensor, save_checkpoint, set_rng_state)
 from grpo_cli.config import BetaSchedule, ConfigError, beta_schedule, boosted_group_size, resume_mode
 from grpo_cli.console import sample_entries
 from grpo_cli.distributed import (SINGLE, Distributed, barrier, broadcast_from_main, full_states, is_sharded,
@@ -99,7 +99,7 @@ def train(cfg: Any, place: Distributed) -> RunResult:
         raise ConfigError("trainer.output_dir is not set: give the folder the run writes to.")
     output_dir = Path(broadcast_from_main(trainer.output_dir, place))  # ranks may have named it at different seconds
     output_dir.mkdir(parents=True, exist_ok=True)
-    resume_from = find_resume_checkpoint(trainer.resume, output_dir)
+    resume_from = find_resume_checkpoint(trainer.resume, output_dir, report=print if place.is_main else ignore)
 
     scorer = RewardScorer.from_config(cfg.reward, trainer.std_eps)  # imports each _target_: fails before loading
     seed_everything(trainer.seed)
@@ -292,20 +292,33 @@ def sample_and_score(parts: RunParts, group_size: int, cost: dict[str, float]) -
     return rollout, rewards
 
 
-def find_resume_checkpoint(resume: Any, output_dir: Path) -> Optional[Path]:
+def find_resume_checkpoint(resume: Any, output_dir: Path,
+                           report: Callable[[str], None] = print) -> Optional[Path]:
+    """The checkpoint trainer.resume names: with `true`, the newest one of the run that can be
+    resumed, `report`ing each newer one passed over as damaged (cut off, overwritten)."""
     mode = resume_mode(resume)
     if mode is None:
         return None
-    if mode == "latest":
-        found = latest_checkpoint(output_dir)
-        if found is None:
-            raise ConfigError(
-                f"trainer.resume=true, but {output_dir}/checkpoints holds no complete checkpoint. "
-                "Point the run at the old run's folder (hydra.run.dir=... or trainer.output_dir=...), "
-                "or give a checkpoint folder: trainer.resume=PATH."
-            )
-        return found
-    return Path(mode)
+    if mode != "latest":
+        return Path(mode)  # validate has checked it
+    found, skipped = newest_resumable(output_dir)
+    if found is None and skipped:
+        reasons = "; ".join(f"{path.name}: {why}" for path, why in skipped)
+        raise ConfigError(f"trainer.resume=true, but no checkpoint in {output_dir}/checkpoints can be resumed "
+                          f"({reasons}). Start a fresh run (trainer.resume=false) in another folder.")
+    if found is None:
+        raise ConfigError(
+            f"trainer.resume=true, but {output_dir}/checkpoints holds no complete checkpoint. "
+            "Point the run at the old run's folder (hydra.run.dir=... or trainer.output_dir=...), "
+            "or give a checkpoint folder: trainer.resume=PATH."
+        )
+    for path, why in skipped:
+        report(f"Skipping checkpoint {path}: {why}. Resuming from the newest one before it that loads.")
+    return found
+
+
+def ignore(_: str) -> None:
+    """A report that goes nowhere (ranks other than 0)."""
 
 
 def seed_everything(seed: int) -> None:

@@ -275,13 +275,13 @@ def resume_problems(cfg: Any) -> list[str]:
     away from its run folder is checked by what it holds: an adapter only fits a LoRA config.
     `trainer.resume=true` with no checkpoint yet is left to pipeline, which says where it looked.
     """
-    from grpo_cli.checkpoint import META_FILE, STATE_FILE, latest_checkpoint
+    from grpo_cli.checkpoint import META_FILE, STATE_FILE, checkpoint_damage, newest_resumable
 
     mode = resume_mode(cfg.trainer.resume)
     if mode is None:
         return []
-    if mode == "latest":
-        checkpoint = latest_checkpoint(Path(cfg.trainer.output_dir)) if cfg.trainer.output_dir else None
+    if mode == "latest":  # the one pipeline will take: damaged newer ones are passed over there
+        checkpoint = newest_resumable(Path(cfg.trainer.output_dir))[0] if cfg.trainer.output_dir else None
         if checkpoint is None:
             return []
     else:
@@ -294,6 +294,10 @@ def resume_problems(cfg: Any) -> list[str]:
             return [f"trainer.resume={mode}: not a complete checkpoint (no {' or '.join(missing)}). "
                     "Give a folder such as RUN/checkpoints/step-000100 (a folder without meta.json "
                     "is a save that was cut off), or trainer.resume=true for the newest complete one."]
+        damage = checkpoint_damage(checkpoint)
+        if damage is not None:
+            return [f"trainer.resume={mode}: the checkpoint cannot be resumed: {damage}. Give another "
+                    "checkpoint, or trainer.resume=true for the newest of the run that loads."]
     saved = checkpoint.parent.parent / "config.yaml"
     model = cfg.model
     if not saved.is_file():
@@ -302,7 +306,7 @@ def resume_problems(cfg: Any) -> list[str]:
             held = "a LoRA adapter" if has_adapter else "full model weights"
             return [f"trainer.resume={checkpoint}: the checkpoint holds {held}, but "
                     f"model.lora.enabled={model.lora.enabled}. Resume with the set-up it was made with."]
-        return []
+        return [] if has_adapter else _other_model_problems(checkpoint, model)
     before = OmegaConf.load(saved)
     both_lora = bool(OmegaConf.select(before, "model.lora.enabled")) and bool(model.lora.enabled)
     differ = []
@@ -319,6 +323,37 @@ def resume_problems(cfg: Any) -> list[str]:
     return [f"trainer.resume: checkpoint {checkpoint} was made with another model set-up (its run's "
             f"config: {saved}): {'; '.join(differ)}. Resume with the values it was made with, or "
             "start a fresh run (trainer.resume=false) in another folder."]
+
+
+# config.json keys that decide the weights' shapes: a checkpoint that differs in one is another model.
+SHAPE_KEYS = ("model_type", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+              "num_attention_heads", "num_key_value_heads")
+
+
+def _other_model_problems(checkpoint: Path, model: Any) -> list[str]:
+    """Full weights copied away from their run: their config.json against model.name_or_path's.
+    The policy comes from the checkpoint and the reference from model.name_or_path, so another
+    model would crash in the embedding, or (with a vocabulary that fits) train against the wrong
+    reference. A hub id not on this machine is not compared."""
+    import json
+
+    from grpo_cli.models import _local_folder
+
+    try:
+        base = _local_folder(model)
+        theirs = json.loads((checkpoint / "config.json").read_text())
+        ours = json.loads((Path(base) / "config.json").read_text()) if base else None
+    except (ConfigError, OSError, ValueError):  # the model's own problems are said elsewhere
+        return []
+    if ours is None:
+        return []
+    differ = [f"{key} {theirs.get(key)!r} against {ours.get(key)!r}" for key in SHAPE_KEYS
+              if theirs.get(key) != ours.get(key)]
+    if not differ:
+        return []
+    return [f"trainer.resume={checkpoint}: the checkpoint is another model than "
+            f"model.name_or_path={model.name_or_path} ({', '.join(differ)}); the reference would come from "
+            "model.name_or_path. Resume with model.name_or_path set to the model it was trained from."]
 
 
 def _plain(value: Any) -> Any:
