@@ -26,12 +26,13 @@ from safetensors.torch import load_file, save_file
 from grpo_cli.checkpoint import (STATE_FILE, CheckpointError, checkpoint_damage, load_trainer_state, save_checkpoint,
                                  set_rng_state)
 from grpo_cli.config import ConfigError
+from grpo_cli.logs import read_metrics
 from grpo_cli.models import load_models
 from grpo_cli.pipeline import run
 from grpo_cli.rewards.api import RewardScorer, build_reward_functions, call_reward
 from grpo_cli.run_lock import hold_run_folder
 from grpo_cli.validation import validate
-from helpers import GRPO_TRAIN, TESTS_DIR, config, input_error
+from helpers import GRPO_TRAIN, TESTS_DIR, config, input_error, run_script
 
 
 class RunsACommand:
@@ -338,3 +339,22 @@ def test_a_model_folder_whose_config_transformers_rejects_is_named_with_the_reas
         validate(config(tiny_model_dir, f"model.name_or_path={other}"))
     assert f"model.name_or_path={other}: {other / 'config.json'} cannot be read (" in str(error.value)
     assert "`num_hidden_layers` (2) must be equal to the number of `layer_types` (4)" in str(error.value)
+
+
+def exits_on_seed_1(prompts, completions, seed, **_):
+    if seed == 1:
+        sys.exit(3)
+    return [0.0] * len(completions)
+
+
+def test_a_sweep_job_that_fails_leaves_the_others_running_and_the_sweep_exits_2(tmp_path):
+    # Before: a job's failure (a reward's sys.exit here; any bad input) ended the whole sweep there.
+    sweep = tmp_path / "sweep"
+    result = run_script("grpo-train", "-m", "trainer.seed=1,0", "trainer.steps=1", "data.eval_size=0",
+                        "reward.functions=[{_target_: test_trust.exits_on_seed_1, weight: 1.0, seed: ${trainer.seed}}]",
+                        f"hydra.sweep.dir={sweep}", cwd=tmp_path, check=False, env={"PYTHONPATH": TESTS_DIR})
+    stderr = " ".join(result.stderr.split())
+    assert result.returncode == 2 and "Traceback" not in result.stdout + result.stderr, stderr[-3000:]
+    assert "Reward function exits_on_seed_1 failed on 128 of 128 completions" in stderr  # job 0, seed 1
+    assert "a job of the sweep stopped (the others ran; each failure is printed above)." in stderr
+    assert [row["step"] for row in read_metrics(sweep / "1")] == [1]  # job 1, seed 0, ran to its end

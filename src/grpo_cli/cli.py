@@ -22,6 +22,7 @@ from typing import Any, Callable, Iterator, NoReturn
 import hydra
 import hydra._internal.utils as hydra_internal
 from hydra.core.hydra_config import HydraConfig
+from hydra.types import RunMode
 from hydra.errors import CompactHydraException, MissingConfigException, OverrideParseException
 from omegaconf import DictConfig, OmegaConf, open_dict
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException, ValidationError
@@ -76,7 +77,17 @@ def _command(cfg: DictConfig) -> Iterator[None]:
         resolve_interpolations(cfg)
         yield
     except ConfigError as error:
+        if HydraConfig.get().mode == RunMode.MULTIRUN and os.environ.get("HYDRA_FULL_ERROR") != "1":
+            # say it now, and let the sweep's other jobs run
+            _print_error(str(error))
+            raise SweepJobFailed(str(error)) from None
         fail(str(error), error)
+
+
+class SweepJobFailed(Exception):
+    """A job of a `-m` sweep stopped on bad input (already printed). An Exception, not SystemExit:
+    Hydra records the job as failed and runs the next; after the sweep it raises the first one,
+    and the command exits 2."""
 
 
 def main() -> None:
@@ -126,6 +137,9 @@ def _serve(program: str, hydra_main: Callable[[], None]) -> None:
 def _reporting_input_errors(func: Callable[[], Any]) -> Any:
     try:
         return func()
+    except SweepJobFailed as error:  # every job has run; each failure was printed as it came
+        fail(f"a job of the sweep stopped (the others ran; each failure is printed above). The first: {error}",
+             error)
     except CompactHydraException as error:  # Hydra's class for errors meant for the user
         fail(hydra_error_message(error), error)
     except OSError as error:
@@ -141,10 +155,14 @@ def fail(message: str, error: BaseException) -> NoReturn:
     """Bad input is the user's to fix: say what and where, no traceback (unless asked for)."""
     if os.environ.get("HYDRA_FULL_ERROR") == "1":
         raise error
+    _print_error(message)
+    sys.exit(CONFIG_ERROR_EXIT_CODE)
+
+
+def _print_error(message: str) -> None:
     console = Console(stderr=True, highlight=False, soft_wrap=True)  # paths stay whole when copied
     console.print(f"[bold red]{_program}: error[/]", end=" ")
     console.print(message, markup=False)  # messages quote values such as [q_proj, v_proj]
-    sys.exit(CONFIG_ERROR_EXIT_CODE)
 
 
 def resolve_interpolations(cfg: DictConfig) -> None:
