@@ -115,7 +115,8 @@ class DataConfig:
     eval_path: Optional[str] = None
     """Held-out prompts for the greedy eval. Unset: the built-in task's eval draw, or no eval for files."""
     eval_size: int = 200
-    """At most this many eval prompts are used."""
+    """At most this many eval prompts are used. 0 = no eval: eval_path (a preset's too) is not read
+    and nothing is held out."""
     eval_holdout: int = 0
     """With no eval_path: hold this many rows of data.path out of training (a fixed draw, by
     `seed`) and evaluate on them. 0 = none (built-in tasks have their own eval draw)."""

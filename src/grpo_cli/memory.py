@@ -240,6 +240,8 @@ def _dtype_name(setting: str, device: str) -> str:
 def _has_eval(data: Any) -> bool:
     from grpo_cli.prompts import synthetic_task_name
 
+    if data.eval_size <= 0:  # no eval at all, whatever else is set (prompts.train_and_eval_rows)
+        return False
     return bool(data.eval_path) or data.eval_holdout > 0 or synthetic_task_name(str(data.path)) is not None
 
 

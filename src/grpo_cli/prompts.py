@@ -9,8 +9,12 @@ integers and resume continues with exactly the prompts a run without a stop woul
 from __future__ import annotations
 
 import csv
+import errno
 import json
+import os
 import random
+import reprlib
+import stat
 from pathlib import Path
 from typing import Any, Iterable, Optional
 
@@ -31,11 +35,9 @@ def read_rows(path: str, limit: int | None = None) -> list[dict[str, Any]]:
             f"Data file {path}: unknown format '{suffix}'. Use one of {', '.join(FILE_FORMATS)}, or "
             f"a built-in task ({', '.join('synthetic:' + n for n in SYNTHETIC_TASKS)})."
         )
-    if file.is_dir():
-        raise ConfigError(f"Data file {path} is a folder, not a file. Give the file itself in "
-                          "data.path / data.eval_path.")
-    if not file.is_file():
-        raise ConfigError(f"Data file {path} does not exist. Check data.path / data.eval_path.")
+    kind = _not_a_regular_file(file)
+    if kind is not None:
+        raise ConfigError(f"Data file {path} {kind}")
     try:
         rows = list(_iter_rows(file, suffix, limit))
     except UnicodeDecodeError as error:
@@ -56,6 +58,37 @@ def read_rows(path: str, limit: int | None = None) -> list[dict[str, Any]]:
         raise ConfigError(f"Data file {path} holds no records. Give data.path / data.eval_path a "
                           "file with at least one.")
     return rows
+
+
+# What a path that is not a regular file is, by its stat mode. None of them is opened: reading
+# a FIFO would wait for a writer, and a device may never end.
+SPECIAL_FILES = ((stat.S_ISFIFO, "a FIFO"), (stat.S_ISSOCK, "a socket"),
+                 (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"))
+
+
+def _not_a_regular_file(file: Path) -> Optional[str]:
+    """Why `file` cannot be read as a data file (the rest of the sentence after its name), or
+    None for a regular file (or a symlink to one)."""
+    try:
+        mode = file.stat().st_mode
+    except OSError as error:
+        if error.errno == errno.ELOOP:
+            return ("is a symlink loop (its links lead back to themselves, never to a file). Point "
+                    "the link at the data file, or give the file itself in data.path / data.eval_path.")
+        if file.is_symlink():
+            return (f"is a symlink to {os.readlink(file)}, which does not exist. Fix the link, or "
+                    "give the file itself in data.path / data.eval_path.")
+        if error.errno in (errno.ENOENT, errno.ENOTDIR):
+            return "does not exist. Check data.path / data.eval_path."
+        return f"cannot be looked at ({error.strerror}). Check data.path / data.eval_path."
+    if stat.S_ISDIR(mode):
+        return "is a folder, not a file. Give the file itself in data.path / data.eval_path."
+    for test, kind in SPECIAL_FILES:
+        if test(mode):
+            return (f"is {kind}, not a regular file, so it was not opened: validation reads every "
+                    "record before the run starts. Save the data to a file and give that in data.path "
+                    "/ data.eval_path.")
+    return None
 
 
 def _first_non_utf8_line(file: Path) -> int:
@@ -80,9 +113,14 @@ def _iter_rows(file: Path, suffix: str, limit: int | None) -> Iterable[Any]:
                     yield json.loads(line)
                 except json.JSONDecodeError as error:
                     raise ValueError(f"line {number} is not valid JSON ({error.msg})") from None
+                except RecursionError:
+                    raise ValueError(f"line {number} {TOO_DEEP}") from None
                 count += 1
     elif suffix == ".json":
-        data = json.loads(file.read_text(encoding="utf-8"))
+        try:
+            data = json.loads(file.read_text(encoding="utf-8"))
+        except RecursionError:
+            raise ValueError(f"the file {TOO_DEEP}") from None
         if isinstance(data, dict) and isinstance(data.get("data"), list):
             data = data["data"]
         if not isinstance(data, list):
@@ -91,15 +129,27 @@ def _iter_rows(file: Path, suffix: str, limit: int | None) -> Iterable[Any]:
     elif suffix == ".csv":
         # utf-8-sig: spreadsheet programs often start CSV files with a byte-order mark.
         with file.open(encoding="utf-8-sig", newline="") as handle:
-            for index, row in enumerate(csv.DictReader(handle)):
+            reader = csv.DictReader(handle, restkey=RAGGED, restval=RAGGED)
+            for index, row in enumerate(reader):
                 if limit is not None and index >= limit:
                     return
+                if RAGGED in row or RAGGED in row.values():  # a field more, or fewer, than the header
+                    fields = len(reader.fieldnames) + len(row.get(RAGGED, [])) - list(row.values()).count(RAGGED)
+                    raise ValueError(
+                        f"line {reader.line_num} has {fields} fields, but the header has "
+                        f"{len(reader.fieldnames)} ({', '.join(reader.fieldnames)}). Quote values that "
+                        "hold commas, and give every row one value per column"
+                    )
                 yield row
     else:
         import pyarrow.parquet as parquet
 
         table = parquet.read_table(file)
         yield from (table.slice(0, limit) if limit is not None else table).to_pylist()
+
+
+TOO_DEEP = "is nested too deeply to read (lists or objects inside each other past Python's recursion limit)"
+RAGGED = object()  # csv.DictReader's stand-in for the values a ragged row lacks, and the key of its extras
 
 
 def load_rows(path: str) -> list[dict[str, Any]]:
@@ -116,9 +166,13 @@ def train_and_eval_rows(data: DataConfig) -> tuple[list[dict[str, Any]], list[di
 
     Eval rows come from data.eval_path; else, for a built-in task, from its own eval draw; else,
     with data.eval_holdout = N, from N rows of data.path picked by a fixed draw (`data.seed`)
-    and removed from training; else there are none.
+    and removed from training; else there are none. data.eval_size=0 turns the eval off: no
+    eval rows, data.eval_path is not read (a preset's may live on another machine) and nothing
+    is held out.
     """
     rows = load_rows(data.path)
+    if data.eval_size <= 0:
+        return rows, []
     if data.eval_path:
         return rows, load_rows(data.eval_path)[: data.eval_size]
     task = synthetic_task_name(data.path)
@@ -135,7 +189,8 @@ def train_and_eval_rows(data: DataConfig) -> tuple[list[dict[str, Any]], list[di
 
 
 def _holdout_problem(data: DataConfig, rows: list[dict[str, Any]]) -> Optional[str]:
-    if data.eval_holdout < len(rows) or data.eval_path or synthetic_task_name(data.path) is not None:
+    if (data.eval_holdout < len(rows) or data.eval_path or synthetic_task_name(data.path) is not None
+            or data.eval_size <= 0):
         return None
     return (f"data.eval_holdout={data.eval_holdout} leaves no training prompt: {data.path} holds "
             f"{len(rows)} rows. Hold out fewer, or give data.eval_path.")
@@ -150,12 +205,14 @@ def _unknown_task(path: str) -> str:
 
 def data_problems(data: DataConfig, model: Optional[tuple[Any, Optional[int]]] = None,
                   max_new_tokens: int = 0) -> list[str]:
-    """The data checks of `validate`: every file exists and parses, every record has the prompt
-    and answer fields, and (given `model` = (tokenizer, context length)) every formatted prompt
-    plus sampler.max_new_tokens fits the model's context."""
+    """The data checks of `validate`: every file exists and parses, every record has a prompt
+    (non-empty text) and an answer (not null), no column takes the name of a reward function's
+    own argument, and (given `model` = (tokenizer, context length)) every formatted prompt plus
+    sampler.max_new_tokens fits the model's context. data.eval_path is not read when
+    data.eval_size=0 turns the eval off."""
     problems = []
     for key, path in (("data.path", data.path), ("data.eval_path", data.eval_path)):
-        if not path:
+        if not path or (key == "data.eval_path" and data.eval_size <= 0):
             continue
         task = synthetic_task_name(path)
         try:
@@ -163,7 +220,7 @@ def data_problems(data: DataConfig, model: Optional[tuple[Any, Optional[int]]] =
         except ConfigError as error:
             problems.append(str(error) if task is not None else f"{key}: {error}")
             continue
-        field_problems = _field_problems(data, path, rows)
+        field_problems = _field_problems(data, path, rows) + _value_problems(data, key, path, rows)
         problems += field_problems
         if key == "data.path" and _holdout_problem(data, rows):
             problems.append(_holdout_problem(data, rows))
@@ -190,6 +247,64 @@ def _field_problems(data: DataConfig, path: str, rows: list[dict[str, Any]]) -> 
                 "Every record needs it: fix or drop those records."
             )
     return problems
+
+
+# The names a reward function is called with besides the data's columns (rewards/api.py:
+# call_reward passes prompts and completions, RewardScorer.score adds completion_length). A column
+# of one of these names would collide with it in the call, and fail inside the reward.
+REWARD_ARGUMENTS = ("prompts", "completions", "completion_length")
+
+
+def _value_problems(data: DataConfig, key: str, path: str, rows: list[dict[str, Any]]) -> list[str]:
+    """Records whose prompt is not text, whose answer is null, or whose columns collide with
+    the reward call's own arguments. Missing fields are _field_problems' to report."""
+    problems = []
+    prompt, answer = data.prompt_field, data.answer_field
+    bad = [(number, row[prompt]) for number, row in enumerate(rows, start=1)
+           if prompt in row and not (isinstance(row[prompt], str) and row[prompt].strip())]
+    if bad:
+        number, value = bad[0]
+        more = f" (and {len(bad) - 1} more)" if len(bad) > 1 else ""
+        problems.append(
+            f"data.prompt_field={prompt!r}: record {number}{more} of {path} holds {_describe(value)}, "
+            "not prompt text. Every prompt must be a non-empty string: fix or drop those records, "
+            "or point data.prompt_field at the column that holds the prompts."
+        )
+    if answer != prompt:
+        null = [number for number, row in enumerate(rows, start=1) if answer in row and row[answer] is None]
+        if null:
+            more = f" (and {len(null) - 1} more)" if len(null) > 1 else ""
+            problems.append(
+                f"data.answer_field={answer!r}: record {null[0]}{more} of {path} holds null, so its "
+                "completions cannot be scored. Give every record an answer, or drop those records."
+            )
+    columns = {name for row in rows for name in row if name != prompt}
+    for name in REWARD_ARGUMENTS:
+        if name in columns:
+            problems.append(
+                f"{key}={path}: the column {name!r} has the name of an argument every reward function "
+                f"is called with ({', '.join(REWARD_ARGUMENTS)}), so it cannot reach them as a column. "
+                "Rename the column in the file (data.prompt_field may name it, if it holds the prompts)."
+            )
+    return problems
+
+
+_SHORT = reprlib.Repr()  # a bounded repr: a huge or deeply nested value cannot flood (or overflow) the message
+_SHORT.maxstring, _SHORT.maxother, _SHORT.maxlevel = 60, 60, 3
+
+
+def _describe(value: Any) -> str:
+    """A prompt value that is not text, in words: `null`, `the number 17`, `a list [...]`."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return f"the boolean {str(value).lower()}"
+    if isinstance(value, (int, float)):
+        return f"the number {value!r}"
+    if isinstance(value, str):
+        return "an empty string" if not value else f"only whitespace ({value!r})"
+    kind = {dict: "an object", list: "a list"}.get(type(value), f"a {type(value).__name__}")
+    return f"{kind} {_SHORT.repr(value)}"
 
 
 def _length_problems(data: DataConfig, key: str, path: str, rows: list[dict[str, Any]],

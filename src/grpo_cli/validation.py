@@ -110,6 +110,7 @@ def validate(cfg: Any, check_files: bool = True) -> None:
         "trainer.checkpoint_every": trainer.checkpoint_every,
         "trainer.eval_every": trainer.eval_every,
         "trainer.std_eps": trainer.std_eps,
+        "data.eval_size": data.eval_size,
         "sampler.min_new_tokens": sampler.min_new_tokens,
         "sampler.top_k": sampler.top_k,
         "optimizer.warmup_steps": cfg.optimizer.warmup_steps,
@@ -141,6 +142,9 @@ def validate(cfg: Any, check_files: bool = True) -> None:
             f"model.quantization={cfg.model.quantization} needs model.lora.enabled=true: quantized "
             "weights cannot be trained directly, only a LoRA adapter on top of them (QLoRA)."
         )
+    if cfg.model.lora.enabled and cfg.model.lora.r < 1:
+        problems.append(f"model.lora.r={cfg.model.lora.r} must be at least 1: it is the rank of the "
+                        "adapter matrices (8 to 64 is usual).")
     if lower(cfg.model.dtype) == "float16" and not cfg.model.lora.enabled:
         problems.append(
             "model.dtype=float16 with a full fine-tune (model.lora.enabled=false): the weights and "
@@ -182,6 +186,15 @@ def validate(cfg: Any, check_files: bool = True) -> None:
         problems += output_dir_problems(trainer.output_dir)
         problems += _logger_problems(cfg.logger)  # installed packages: this machine, like the files
         on_cuda = device.startswith("cuda") or (device == "auto" and torch.cuda.is_available())
+        if reference_device.startswith("cuda"):  # else models.resolve_device says it, blaming trainer.device
+            count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+            index = reference_device.partition(":")[2]
+            if count == 0 or (index.isdigit() and int(index) >= count):
+                seen = (f"{count} CUDA device(s), numbered from 0" if count
+                        else f"no CUDA device (torch {torch.__version__})")
+                problems.append(f"model.reference_device={cfg.model.reference_device}, but torch sees {seen}. "
+                                "Use model.reference_device=same (the policy's device), cpu, or a CUDA "
+                                "device this machine has.")
         if "paged" in str(cfg.optimizer._target_).lower() and not on_cuda:
             problems.append(
                 f"optimizer._target_={cfg.optimizer._target_}: paged optimizers keep their states in CUDA "
@@ -275,13 +288,14 @@ def resume_problems(cfg: Any) -> list[str]:
     away from its run folder is checked by what it holds: an adapter only fits a LoRA config.
     `trainer.resume=true` with no checkpoint yet is left to pipeline, which says where it looked.
     """
-    from grpo_cli.checkpoint import META_FILE, STATE_FILE, checkpoint_damage, newest_resumable
+    from grpo_cli.checkpoint import META_FILE, STATE_FILE, checkpoint_damage, latest_checkpoint, newest_resumable
 
     mode = resume_mode(cfg.trainer.resume)
     if mode is None:
         return []
-    if mode == "latest":  # the one pipeline will take: damaged newer ones are passed over there
-        checkpoint = newest_resumable(Path(cfg.trainer.output_dir))[0] if cfg.trainer.output_dir else None
+    if mode == "latest":  # the one pipeline will take (it passes over damaged newer ones, saying so)
+        run_folder = Path(cfg.trainer.output_dir) if cfg.trainer.output_dir else None
+        checkpoint = run_folder and (newest_resumable(run_folder)[0] or latest_checkpoint(run_folder))
         if checkpoint is None:
             return []
     else:
@@ -294,10 +308,16 @@ def resume_problems(cfg: Any) -> list[str]:
             return [f"trainer.resume={mode}: not a complete checkpoint (no {' or '.join(missing)}). "
                     "Give a folder such as RUN/checkpoints/step-000100 (a folder without meta.json "
                     "is a save that was cut off), or trainer.resume=true for the newest complete one."]
-        damage = checkpoint_damage(checkpoint)
-        if damage is not None:
-            return [f"trainer.resume={mode}: the checkpoint cannot be resumed: {damage}. Give another "
-                    "checkpoint, or trainer.resume=true for the newest of the run that loads."]
+    problems = _setup_problems(checkpoint, cfg)
+    damage = checkpoint_damage(checkpoint) if mode != "latest" and not problems else None
+    if damage is not None:
+        return [f"trainer.resume={mode}: the checkpoint cannot be resumed: {damage}. Give another "
+                "checkpoint, or trainer.resume=true for the newest of the run that loads."]
+    return problems
+
+
+def _setup_problems(checkpoint: Path, cfg: Any) -> list[str]:
+    """The model set-up of `checkpoint` (its run's config.yaml, else what it holds) against cfg's."""
     saved = checkpoint.parent.parent / "config.yaml"
     model = cfg.model
     if not saved.is_file():
