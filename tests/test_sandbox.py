@@ -95,10 +95,13 @@ def test_sandbox_reports_what_applied(contained):
         user_namespace, uid_drop = [], [f"uid={SANDBOX_UID_BASE + runner}"]
     else:
         user_namespace, uid_drop = ["userns"], []
-    # The runner hides /root and the user's own home, each where it is a folder, in sorted order.
-    homes = sorted(home for home in {"/root", pwd.getpwuid(os.getuid()).pw_dir} if os.path.isdir(home))
+    # The runner hides /root, the user's own home, /run and /var/run, each where it is a folder
+    # (once: /var/run is usually a link to /run), in sorted order. The seccomp filter comes last,
+    # installed just before the program starts.
+    candidates = {"/root", pwd.getpwuid(os.getuid()).pw_dir, "/run", "/var/run"}
+    hidden = sorted({os.path.realpath(path) for path in candidates if os.path.isdir(path)})
     applied = [*user_namespace, "mountns", "netns", "pidns", "ipcns", "readonly-root", "fresh-tmpfs",
-               *(f"hidden:{home}" for home in homes), *uid_drop, "rlimits"]
+               *(f"hidden:{folder}" for folder in hidden), *uid_drop, "rlimits", "seccomp"]
     assert result.isolation == ",".join(applied)
 
 
@@ -271,3 +274,137 @@ def test_timeout_kills_a_program_that_ignores_sigterm(contained):
     code = "import signal, time\nsignal.signal(signal.SIGTERM, signal.SIG_IGN)\ntime.sleep(60)\n"
     result = run_sandboxed(code, timeout=1.0)
     assert result.timed_out and result.exit_code is None  # the fixture: nothing is left
+
+
+# The seccomp filter (rewards/seccomp.py) and the hidden /run: each test provokes the call for real
+# and fails when the filter is not installed (the call succeeds, or fails with another error).
+
+UNIX_CONNECT_BY_SOCKET_MODULE = """\
+import errno, socket
+try:
+    socket.socket(socket.AF_UNIX).connect({path!r})
+    print('connected')
+except OSError as error:
+    print(errno.errorcode[error.errno])
+"""
+# Without namespaces the runner replaces socket.socket in the program: ctypes goes around that.
+UNIX_CONNECT_BY_CTYPES = """\
+import ctypes, errno, struct
+libc = ctypes.CDLL(None, use_errno=True)
+fd = libc.socket(1, 1, 0)  # AF_UNIX, SOCK_STREAM
+address = struct.pack('=H', 1) + {path!r}.encode() + b'\\0'  # struct sockaddr_un
+if fd < 0 or libc.connect(fd, address, len(address)) != 0:
+    print(errno.errorcode[ctypes.get_errno()])
+else:
+    print('connected')
+"""
+
+
+@pytest.fixture
+def host_unix_listener():
+    """A listening AF_UNIX socket, mode 777, at a host path the sandbox sees through its read-only
+    root (not under /tmp, /dev/shm, /run or a home folder, which it replaces): yields its path."""
+    folder = PROJECT_ROOT / ".cache" / "sandbox-sockets"
+    folder.mkdir(parents=True, exist_ok=True)
+    if any(str(folder).startswith(hidden + os.sep) for hidden in ("/tmp", "/root", "/run")):
+        pytest.skip(f"{folder} is hidden inside the sandbox: no host path to test with")
+    for parent in [folder, *folder.parents]:
+        if parent == folder:
+            os.chmod(parent, 0o711)
+        elif not parent.stat().st_mode & 0o001:
+            pytest.skip(f"the sandbox uid cannot traverse {parent}")
+    path = folder / f"grpo-test-{os.getpid()}-{uuid.uuid4().hex[:8]}.sock"
+    listener = socket.socket(socket.AF_UNIX)
+    listener.bind(str(path))
+    os.chmod(path, 0o777)
+    listener.listen(1)
+    listener.settimeout(0.2)
+    try:
+        yield listener, str(path)
+    finally:
+        listener.close()
+        path.unlink(missing_ok=True)
+
+
+def _seccomp_expected() -> None:
+    if os.uname().machine != "x86_64":
+        pytest.skip("the seccomp filter is x86_64 only")
+
+
+@pytest.mark.parametrize("use_namespaces", [True, False])
+def test_host_unix_socket_is_unreachable(contained, host_unix_listener, use_namespaces):
+    _seccomp_expected()
+    listener, path = host_unix_listener
+    program = UNIX_CONNECT_BY_SOCKET_MODULE if use_namespaces else UNIX_CONNECT_BY_CTYPES
+    result = run_sandboxed(program.format(path=path), timeout=5, use_namespaces=use_namespaces)
+    assert result.stdout == "EPERM\n", result.stdout + result.stderr  # socket() itself is denied
+    with pytest.raises(socket.timeout):
+        listener.accept()  # the listener got no connection
+
+
+def test_run_is_hidden(contained, isolation):
+    _require(isolation, "mountns")
+    if not os.access("/run/lock", os.W_OK | os.X_OK):
+        pytest.skip("no writable /run/lock to put a host socket in")
+    path = f"/run/lock/grpo-test-{os.getpid()}-{uuid.uuid4().hex[:8]}.sock"
+    listener = socket.socket(socket.AF_UNIX)
+    try:
+        listener.bind(path)
+        program = f"import os\nprint(os.path.exists({path!r}), os.listdir('/run'))\n"
+        result = run_sandboxed(program, timeout=5)
+        assert result.stdout == "False []\n", result.stdout + result.stderr
+    finally:
+        listener.close()
+        os.unlink(path)
+
+
+CLONE_NEWUSER, SIGCHLD = 0x10000000, 17
+# Each succeeds for the dropped uid without the filter (clone and clone3 as a fork, whose child
+# prints too). clone3's arguments: struct clone_args (linux/sched.h), 11 u64s, flags first and
+# exit_signal fifth.
+NAMESPACE_ATTACKS = {
+    "unshare": ("libc.unshare(0x10000000)", "EPERM"),
+    "clone": (f"libc.syscall(56, {CLONE_NEWUSER | SIGCHLD}, 0, 0, 0, 0)", "EPERM"),
+    "clone3": (f"libc.syscall(435, struct.pack('=11Q', {CLONE_NEWUSER}, 0, 0, 0, {SIGCHLD}, "
+               f"*[0] * 6), 88)", "ENOSYS"),  # ENOSYS: glibc then falls back to clone
+    "ptrace": ("libc.ptrace(0, 0, 0, 0)", "EPERM"),  # PTRACE_TRACEME
+}
+
+
+@pytest.mark.parametrize("attack", list(NAMESPACE_ATTACKS))
+def test_namespace_and_ptrace_calls_are_denied(contained, attack):
+    _seccomp_expected()
+    call, expected = NAMESPACE_ATTACKS[attack]
+    program = ("import ctypes, errno, struct\nlibc = ctypes.CDLL(None, use_errno=True)\n"
+               f"result = {call}\n"
+               "print(errno.errorcode[ctypes.get_errno()] if result < 0 else 'succeeded')\n")
+    result = run_sandboxed(program, timeout=5)
+    assert result.stdout == f"{expected}\n", result.stdout + result.stderr
+
+
+def test_ordinary_programs_still_work_under_the_filter(contained):
+    _seccomp_expected()
+    program = (
+        "import asyncio, multiprocessing, socket, subprocess, threading\n"
+        "print(subprocess.run(['echo', 'x'], capture_output=True, text=True).stdout, end='')\n"
+        "thread = threading.Thread(target=print, args=('thread',))\n"
+        "thread.start()\nthread.join()\n"
+        "with multiprocessing.get_context('fork').Pool(2) as pool:\n"
+        "    print(pool.map(abs, [-1, -2]))\n"
+        "ours, theirs = multiprocessing.Pipe()  # an AF_UNIX stream socketpair\n"
+        "ours.send('pipe')\nprint(theirs.recv())\n"
+        "print(asyncio.run(asyncio.sleep(0, 'asyncio')))  # a socketpair for its self-pipe\n"
+        "inet = socket.socket()\n"
+        "try:\n    inet.connect(('127.0.0.1', 9))\nexcept OSError:\n    print('inet refused')\n"
+    )
+    result = run_sandboxed(program, timeout=5)
+    assert "seccomp" in result.isolation.split(";")[0]
+    assert result.stdout == "x\nthread\n[1, 2]\npipe\nasyncio\ninet refused\n", result.stderr
+
+
+def test_seccomp_is_skipped_with_a_note_off_x86_64(monkeypatch):
+    from grpo_cli.rewards import seccomp
+
+    monkeypatch.setattr(seccomp.platform, "machine", lambda: "aarch64")
+    # Returns before any prctl: nothing is installed in the test process.
+    assert seccomp.install() == "no seccomp: the filter is x86_64 only, this is aarch64"

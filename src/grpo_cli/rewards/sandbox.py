@@ -2,11 +2,12 @@
 
 `run_sandboxed(source, timeout)` writes the program into a fresh temporary folder and starts the
 trusted runner (`sandbox_runner.py`) as a new session, with a minimal environment and stdin
-closed. The runner isolates itself (namespaces, read-only tree, fresh tmpfs, rlimits, uid drop;
-see docs/SANDBOX.md) and runs the program as its own child. This side only waits: it reads the
-output pipes with a cap, kills the whole process group at the wall-clock timeout, and at the end
-kills whatever is left (the process group, and every process of the sandbox's uid). It never
-raises on anything the program does; it raises OSError only when no child can be started at all.
+closed. The runner isolates itself (namespaces, read-only tree, fresh tmpfs, hidden home folders
+and /run, rlimits, uid drop, a seccomp filter; see docs/SANDBOX.md) and runs the program as its
+own child. This side only waits: it reads the output pipes with a cap, kills the whole process
+group at the wall-clock timeout, and at the end kills whatever is left (the process group, and
+every process of the sandbox's uid). It never raises on anything the program does; it raises
+OSError only when no child can be started at all.
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ class SandboxResult:
     timed_out: bool  # the wall-clock timeout (or the CPU-time limit) ended it
     stdout: str  # the first max_output_bytes, decoded with errors replaced
     stderr: str  # idem
-    isolation: str  # what applied, comma-separated ("mountns,netns,pidns,...,uid=...")
+    isolation: str  # what applied, comma-separated ("mountns,netns,pidns,...,uid=...,seccomp")
     stdout_tail: str = ""  # the last TAIL_BYTES of stdout, even when stdout was truncated
     truncated: bool = False  # some output beyond max_output_bytes was thrown away
     wall_s: float = 0.0

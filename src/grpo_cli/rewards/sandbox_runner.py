@@ -6,15 +6,18 @@ Started by `sandbox.run_sandboxed` as
 
 and imports nothing from grpo_cli (it must start fast and trust nothing outside the stdlib).
 Order: read the program; unshare namespaces (mount, network, pid, ipc; plus user when not root);
-make mounts private, the whole tree read-only and nosuid, fresh tmpfs on /tmp, /var/tmp, /dev/shm
-and over the home folders; write a one-line JSON report of what applied to REPORT_FD; fork the
-program's process, which mounts a fresh /proc (it is pid 1 of the new pid namespace), sets the
-rlimits, drops to UID_BASE + its pid and execs a clean interpreter on the program. This process waits for it and
-exits with its exit code (128 + signal when it was killed), so the user code's parent is this
-runner, never the trainer. Every step is best-effort; what failed is named in the report.
+make mounts private, the whole tree read-only and nosuid, fresh tmpfs on /tmp, /var/tmp, /dev/shm,
+empty tmpfs over the home folders and /run (the host's Unix sockets); fork an init, which mounts
+a fresh /proc (it is pid 1 of the new pid namespace) and forks the program's process, which sets
+the rlimits, drops to UID_BASE + its pid, installs the seccomp filter (seccomp.py), writes a
+one-line JSON report of what applied to REPORT_FD and execs a clean interpreter on the program.
+This process waits for it and exits with its exit code (128 + signal when it was killed), so the
+user code's parent is the runner's init, never the trainer. Every step is best-effort; what
+failed is named in the report.
 """
 
 import ctypes
+import importlib.util
 import json
 import os
 import pwd
@@ -30,6 +33,7 @@ MOUNT_ATTR_RDONLY, MOUNT_ATTR_NOSUID = 1, 2
 PR_SET_PDEATHSIG = 1
 PYTHON_MOUNT = "/tmp/.python"  # where the interpreter is bound inside the fresh /tmp
 WORKDIR_IN_NAMESPACE = "/tmp/work"
+SOCKET_FOLDERS = ("/run", "/var/run")  # hidden like the home folders (Unix sockets, pid files)
 
 libc = ctypes.CDLL(None, use_errno=True)
 
@@ -82,9 +86,19 @@ def _read_only(path: str, applied: list[str], notes: list[str], label: str) -> N
         notes.append(f"mount_setattr read-only {path} failed: {os.strerror(ctypes.get_errno())}")
 
 
-def _isolate_filesystem(homes: set[str], applied: list[str], notes: list[str]) -> str | None:
+def _load_seccomp():
+    """seccomp.py, beside this file, by its path: `-I` keeps this folder off sys.path."""
+    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "seccomp.py")
+    spec = importlib.util.spec_from_file_location("grpo_sandbox_seccomp", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _isolate_filesystem(hidden: set[str], applied: list[str], notes: list[str]) -> str | None:
     """In a fresh mount namespace: the tree read-only, fresh tmpfs, the interpreter bound inside
-    /tmp, the home folders hidden. Returns the interpreter's path there, or None when unbound."""
+    /tmp, the `hidden` folders (homes, /run) under empty tmpfs. Returns the interpreter's path
+    there, or None when unbound."""
     _mount(None, "/", None, MS_REC | MS_PRIVATE)  # nothing we mount leaks back to the host
     _read_only("/", applied, notes, "readonly-root")
     sizes = {"/tmp": "64m", "/var/tmp": "16m", "/dev/shm": "16m"}
@@ -103,13 +117,13 @@ def _isolate_filesystem(homes: set[str], applied: list[str], notes: list[str]) -
         _mount(prefix, PYTHON_MOUNT, None, MS_BIND | MS_REC)
         _read_only(PYTHON_MOUNT, [], notes, "")
         python = os.path.join(PYTHON_MOUNT, os.path.relpath(binary, prefix))
-    for home in sorted(homes):
-        if python is None and (prefix + os.sep).startswith(home.rstrip(os.sep) + os.sep):
+    for folder in sorted({os.path.realpath(path) for path in hidden}):  # /var/run -> /run: once
+        if python is None and (prefix + os.sep).startswith(folder.rstrip(os.sep) + os.sep):
             continue  # the interpreter lives there and could not be moved out of the way
-        if home not in ("/", "") and os.path.isdir(home):
+        if folder not in ("/", "") and os.path.isdir(folder):
             try:
-                _mount("tmpfs", home, "tmpfs", MS_NOSUID | MS_NODEV, "size=1m,mode=755")
-                applied.append(f"hidden:{home}")
+                _mount("tmpfs", folder, "tmpfs", MS_NOSUID | MS_NODEV, "size=1m,mode=755")
+                applied.append(f"hidden:{folder}")
             except OSError as error:
                 notes.append(str(error))
     return python
@@ -155,6 +169,7 @@ def main() -> None:
     timeout, memory_mb = float(sys.argv[4]), int(sys.argv[5])
     file_bytes, processes, sandbox_uid = int(sys.argv[6]), int(sys.argv[7]), int(sys.argv[8])
     use_namespaces = sys.argv[9] == "1"
+    seccomp = _load_seccomp()  # now: the dropped uid may not be able to read it
     sandbox_uid += os.getpid()  # one uid per run: its own NPROC count, no one else to signal
     libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL)  # the trainer died: so do we
     signal.alarm(int(timeout) + 10)  # a backstop if the trainer's own timeout never fires
@@ -163,6 +178,7 @@ def main() -> None:
 
     running_as_root = os.geteuid() == 0
     homes = {"/root", pwd.getpwuid(os.getuid()).pw_dir}  # looked up before the uid is remapped
+    hidden = homes | set(SOCKET_FOLDERS)
     applied, notes = [], []
     flags, unshare_notes = _unshare(running_as_root) if use_namespaces else (0, ["namespaces off"])
     notes += unshare_notes
@@ -172,7 +188,7 @@ def main() -> None:
     python, workdir = sys.executable, fallback_dir
     if flags & CLONE_NEWNS:
         try:
-            python = _isolate_filesystem(homes, applied, notes) or python
+            python = _isolate_filesystem(hidden, applied, notes) or python
             workdir = WORKDIR_IN_NAMESPACE
         except OSError as error:
             notes.append(f"filesystem isolation failed: {error}")
@@ -194,8 +210,6 @@ def main() -> None:
     python_home = os.path.dirname(os.path.dirname(python))
     env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": workdir, "TMPDIR": "/tmp",
            "LANG": "C.UTF-8", "LD_LIBRARY_PATH": os.path.join(python_home, "lib")}
-    os.write(report_fd, (json.dumps({"applied": applied, "notes": notes}) + "\n").encode())
-    os.close(report_fd)
 
     # Two more processes: an init (pid 1 of the new pid namespace, still privileged) whose exit
     # makes the kernel kill everything left in the namespace, and the program under it, so that
@@ -208,6 +222,14 @@ def main() -> None:
             os.setgid(sandbox_uid)
             os.setuid(sandbox_uid)
         libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL)  # after setuid, which clears it
+        # Last, so no set-up step needs what it denies; it holds across execve.
+        refused = seccomp.install()
+        if refused:
+            notes.append(refused)
+        else:
+            applied.append("seccomp")
+        os.write(report_fd, (json.dumps({"applied": applied, "notes": notes}) + "\n").encode())
+        os.close(report_fd)
         options = ["-c", BLOCK_SOCKETS] if block_sockets else []
         os.execve(python, [python, "-I", "-B", *options, "program.py"], env)
 
@@ -218,13 +240,15 @@ def main() -> None:
                 _mount("proc", "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC)
             except OSError:
                 pass
-        _exit_like(_fork_and_wait(start_program))
+        _exit_like(_fork_and_wait(start_program, report_fd))
 
-    _exit_like(_fork_and_wait(start_init))
+    _exit_like(_fork_and_wait(start_init, report_fd))
 
 
-def _fork_and_wait(child) -> int:
-    """Run `child()` in a forked process (which must exec or exit); its wait status."""
+def _fork_and_wait(child, child_only_fd: int) -> int:
+    """Run `child()` in a forked process (which must exec or exit); its wait status. The parent
+    closes `child_only_fd` (the report pipe): its reader sees the end once the program's process
+    wrote the report, or died before it."""
     pid = os.fork()
     if pid == 0:
         try:
@@ -232,6 +256,7 @@ def _fork_and_wait(child) -> int:
         except BaseException as error:  # noqa: BLE001 - report and leave, never fall through
             os.write(2, f"sandbox runner: cannot start the program: {error!r}\n".encode())
         os._exit(126)
+    os.close(child_only_fd)
     return os.waitpid(pid, 0)[1]
 
 
