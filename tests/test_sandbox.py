@@ -139,6 +139,25 @@ def test_early_exit_does_not_pass_the_tests(contained):
     assert code_execution(["p"] * 2, cheats, tests=["assert False"] * 2) == [0.0, 0.0]
 
 
+# Hacks that solve nothing and score 1.0 today: the tests and the end-of-tests marker are part of
+# the program's own source (issue 18, item 2, open: docs/SANDBOX.md, "Reward hacking"). Strict:
+# once success is reported out of band, these pass, and the marks must go.
+PRINTS_THE_MARKER = ("import re, sys\nsource = open(__file__).read()\n"
+                     "print(re.findall(r'__grpo_tests_done_[0-9a-f]+__', source)[-1])\nsys.exit(0)\n")
+EQUAL_TO_EVERYTHING = ("class Anything:\n    def __eq__(self, other):\n        return True\n"
+                       "def add(a, b):\n    return Anything()\n")
+
+
+@pytest.mark.xfail(strict=True, reason="open: the marker is in the program's source (issue 18, item 2)")
+def test_printing_the_marker_read_from_its_own_source_does_not_pass(contained):
+    assert code_execution(["p"], [PRINTS_THE_MARKER], tests=["assert add(2, 3) == 5"]) == [0.0]
+
+
+@pytest.mark.xfail(strict=True, reason="open: tests run beside the model's code (issue 18, item 2)")
+def test_an_object_equal_to_everything_does_not_pass(contained):
+    assert code_execution(["p"], [EQUAL_TO_EVERYTHING], tests=["assert add(2, 3) == 5"]) == [0.0]
+
+
 def test_parallel_workers_match_one_worker(contained):
     completions = [ADD, WRONG_ADD, "def add(a, b) oops", ADD]
     tests = ["assert add(1, 1) == 2", ["assert add(1, 0) == 1", "assert add(1, 1) == 2"],
