@@ -110,6 +110,7 @@ get_peft_model(LlamaForCausalLM(shape), LoraConfig(r=2, target_modules=["q_proj"
 """
 
 
+@pytest.mark.slow  # two child processes that import bitsandbytes, peft and transformers: 35 s
 def test_the_warnings_we_know_to_be_noise_stay_out_of_the_console():
     # The control first: without grpo_cli the libraries print them (so the test can fail).
     def stderr_of(mode):

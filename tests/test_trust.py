@@ -133,6 +133,7 @@ def test_weights_that_hold_nan_are_never_saved_and_the_good_checkpoints_stay(tmp
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step-000001"]  # keep_last=1 deleted nothing
 
 
+@pytest.mark.slow  # a grpo-train run in a child process: make test runs it
 def test_resuming_a_checkpoint_whose_weights_hold_nan_is_refused(one_step_run, tmp_path, tiny_model_dir):
     run_dir = tmp_path / "nan"
     shutil.copytree(one_step_run, run_dir, ignore=shutil.ignore_patterns("metrics.jsonl", "*.log"))
@@ -177,6 +178,7 @@ def test_a_reward_that_calls_sys_exit_stops_the_run_with_its_name(tmp_path):
     assert "the first failure: raised SystemExit: 3." in message
 
 
+@pytest.mark.slow  # a grpo-train run in a child process: make test runs it
 def test_a_reward_that_hangs_is_cut_off_at_its_timeout(tmp_path):
     started = time.monotonic()
     message = input_error("grpo-train", "reward.functions=[{_target_: test_trust.hangs, weight: 1.0}]",
@@ -204,6 +206,7 @@ def test_a_reward_that_edits_the_completions_does_not_change_what_the_next_one_s
 # ---------------------------------------------------------------- a full disk
 
 
+@pytest.mark.slow  # a grpo-train run in a child process: make test runs it
 def test_a_full_disk_at_a_checkpoint_keeps_the_last_complete_one_and_says_so(tmp_path):
     # A 12 MB tmpfs as the run folder's disk, in a mount namespace of its own: step 1's checkpoint
     # (7.3 MB: weights, Adam's two moments) fits, step 2's does not. torch.save reports it as a
@@ -347,6 +350,7 @@ def exits_on_seed_1(prompts, completions, seed, **_):
     return [0.0] * len(completions)
 
 
+@pytest.mark.slow  # a grpo-train run in a child process: make test runs it
 def test_a_sweep_job_that_fails_leaves_the_others_running_and_the_sweep_exits_2(tmp_path):
     # Before: a job's failure (a reward's sys.exit here; any bad input) ended the whole sweep there.
     sweep = tmp_path / "sweep"
