@@ -44,10 +44,13 @@ def test_a_1000_step_run_keeps_memory_flat_and_step_time_steady(tmp_path, tiny_m
     print(f"resident memory: step 100 {early:.3f} GB, step 1000 {late:.3f} GB")
     assert late <= 1.10 * early
 
-    def median_step_time(first: int, last: int) -> float:
-        times = sorted(rows[step]["time/step"] for step in range(first, last + 1))
-        return times[len(times) // 2]
+    # The fastest step of each 100, not the median: work that grows with the step count (a leak)
+    # raises every step, the fastest too, while the VM's own drift does not reach the floor. In
+    # one CI run every phase, the pure-Python reward included, ran 1.5-2x slower from step 600
+    # on: median 0.154 -> 0.246 s (1.6x), fastest 0.123 -> 0.160 s (1.3x).
+    def fastest_step(first: int, last: int) -> float:
+        return min(rows[step]["time/step"] for step in range(first, last + 1))
 
-    early_time, late_time = median_step_time(101, 200), median_step_time(901, 1000)
-    print(f"median step time: steps 101-200 {early_time:.3f} s, steps 901-1000 {late_time:.3f} s")
+    early_time, late_time = fastest_step(101, 200), fastest_step(901, 1000)
+    print(f"fastest step: steps 101-200 {early_time:.3f} s, steps 901-1000 {late_time:.3f} s")
     assert late_time <= 1.5 * early_time
