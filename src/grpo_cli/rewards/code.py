@@ -1,7 +1,11 @@
 """Code-execution reward: run the model's Python against the dataset's tests, in the sandbox.
 
-Each run is one child process (see `grpo_cli.rewards.sandbox`); a thread pool of `workers`
-threads only starts and waits on them, so the isolation never depends on the threads.
+Each test runs in two sandboxed processes joined by pipes (`grpo_cli.rewards.remote_call`): the
+model's code in one, the tests in the other, which calls the model's functions across and alone
+gives the verdict. So the model's code never sees the tests' source, their frames or their
+builtins, and what it returns reaches the tests as plain values only (docs/SANDBOX.md, "Two
+processes"). A thread pool of `workers` threads only starts and waits on the processes, so the
+isolation never depends on the threads.
 """
 
 from __future__ import annotations
@@ -9,9 +13,13 @@ from __future__ import annotations
 import re
 import secrets
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from typing import Any
 
-from grpo_cli.rewards.sandbox import run_sandboxed
+from grpo_cli.rewards.sandbox import run_connected
+
+# The wire's source, copied into both programs: the sandboxed interpreter cannot import grpo_cli.
+REMOTE_CALL_SOURCE = Path(__file__).with_name("remote_call.py").read_text()
 
 # An opening fence with its language tag, the body, and the closing fence or the end of the
 # text (a completion cut off by the token limit leaves its last block open).
@@ -43,16 +51,19 @@ def _test_snippets(entry: Any) -> list[str] | None:
 
 
 def _passes(code: str, snippet: str, timeout: float, memory_mb: int) -> bool | None:
-    """True when code + snippet ran to the end and exited 0; False when not; None on timeout.
+    """True when the tests ran to their end and exited 0; False when not; None on timeout.
 
-    The program's last statement prints a random marker: a run only passes when it is seen, so
-    code that calls sys.exit(0) or os._exit(0) before the tests run does not pass them."""
+    The tests' program prints a random marker after the snippet: a run passes only when its own
+    stdout ends with it, so a snippet that exits early does not pass. The marker lives in the
+    tests' process only, which the model's code cannot read, signal or write to."""
     marker = f"__grpo_tests_done_{secrets.token_hex(8)}__"
-    program = f"{code}\n\n{snippet}\n\nprint({marker!r}, flush=True)\n"
-    result = run_sandboxed(program, timeout=timeout, memory_mb=memory_mb)
+    solution = f"{REMOTE_CALL_SOURCE}\n\nserve_solution({code!r}, *map(int, sys.argv[1:3]))\n"
+    tests = (f"{REMOTE_CALL_SOURCE}\n\n"
+             f"run_tests({snippet!r}, *map(int, sys.argv[1:3]), marker={marker!r})\n")
+    _, result = run_connected(solution, tests, timeout=timeout, memory_mb=memory_mb)
     if result.timed_out:
         return None
-    return result.exit_code == 0 and marker in result.stdout_tail
+    return result.exit_code == 0 and result.stdout_tail.endswith(f"{marker}\n")
 
 
 def code_execution(prompts: list[str], completions: list[str], tests: list[Any],
@@ -67,8 +78,11 @@ def code_execution(prompts: list[str], completions: list[str], tests: list[Any],
       fraction that passed (a timed-out run counts as failed), except when every run timed out:
       then `timeout_penalty`. E.g. 2 passed, 1 timed out of 3 -> 0.6667; 3 timed out -> -0.1;
     - None, "" or []: None ("no opinion").
-    A run passes when it exits 0 after running the whole program: a test snippet must not call
-    sys.exit itself. Runs for all completions go in parallel on `workers` threads.
+    A run passes when the tests' process exits 0 after running the whole snippet: a test snippet
+    must not call sys.exit itself. The snippet sees each public name the code defined (a
+    builtin's name excepted): plain values as themselves, functions, classes and objects as
+    handles that call across (docs/SANDBOX.md). Runs for all completions go in parallel on
+    `workers` threads.
     """
     del prompts  # the tests say everything the reward needs
     snippets = [_test_snippets(entry) for entry in tests]

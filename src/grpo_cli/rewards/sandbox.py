@@ -1,6 +1,8 @@
 """Running untrusted Python in a child process that cannot hurt the trainer.
 
-`run_sandboxed(source, timeout)` writes the program into a fresh temporary folder and starts the
+`run_sandboxed(source, timeout)` runs one program; `run_connected(first, second, timeout)` runs
+two at once, each in a sandbox of its own, joined only by two pipes (the code reward's model code
+and its tests). Each run writes the program into a fresh temporary folder and starts the
 trusted runner (`sandbox_runner.py`) as a new session, with a minimal environment and stdin
 closed. The runner isolates itself (namespaces, read-only tree, fresh tmpfs, hidden home folders
 and /run, rlimits, uid drop, a seccomp filter; see docs/SANDBOX.md) and runs the program as its
@@ -20,6 +22,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -64,20 +67,83 @@ def run_sandboxed(source: str, timeout: float, memory_mb: int = 512,
     processes and threads of its uid (RLIMIT_NPROC; effective only where the uid was dropped or
     a user namespace applied). `use_namespaces=False` skips the namespaces, to exercise the
     fallbacks (tests) or where a seccomp profile makes unshare misbehave."""
+    limits = _Limits(timeout, memory_mb, max_file_bytes, max_processes, use_namespaces)
+    return _finish(_start(source, limits, program_fds=()), max_output_bytes)
+
+
+def run_connected(first: str, second: str, timeout: float, memory_mb: int = 512,
+                  max_output_bytes: int = 64_000, use_namespaces: bool = True,
+                  ) -> tuple[SandboxResult, SandboxResult]:
+    """Run two programs at once, each in a sandbox of its own, joined by two pipes and nothing
+    else: each finds the file descriptors of its ends as `sys.argv[1]` (it reads there) and
+    `sys.argv[2]` (it writes there). When `second` has ended, `first` is killed: `second` holds
+    the verdict (the code reward's tests), `first` only serves it (the model's code). Neither
+    can see, signal or read the files of the other: separate namespaces and uids."""
+    limits = _Limits(timeout, memory_mb, 16 << 20, 32, use_namespaces)
+    first_reads, second_writes = os.pipe()
+    second_reads, first_writes = os.pipe()
+    try:
+        first_run = _start(first, limits, program_fds=(first_reads, first_writes))
+        try:
+            second_run = _start(second, limits, program_fds=(second_reads, second_writes))
+        except BaseException:
+            _kill_group(first_run.process.pid)
+            _finish(first_run, max_output_bytes)
+            raise
+    finally:  # each end lives on in its sandbox only: an end's death is the other's EOF
+        for fd in (first_reads, first_writes, second_reads, second_writes):
+            os.close(fd)
+    first_result: list[SandboxResult] = []
+    waiter = threading.Thread(target=lambda: first_result.append(_finish(first_run,
+                                                                         max_output_bytes)))
+    waiter.start()
+    second_result = _finish(second_run, max_output_bytes)
+    _kill_group(first_run.process.pid)
+    waiter.join()
+    return first_result[0], second_result
+
+
+@dataclass(frozen=True)
+class _Limits:
+    timeout: float
+    memory_mb: int
+    max_file_bytes: int
+    max_processes: int
+    use_namespaces: bool
+
+
+@dataclass
+class _Started:
+    """A runner started by `_start`, for `_finish` to wait on and clean up."""
+
+    process: subprocess.Popen
+    folder: Path  # the temporary folder holding the program; removed by _finish
+    report_fd: int  # the read end of the runner's report pipe
+    started: float  # time.monotonic() before the program was written
+    deadline: float  # time.monotonic() at which the runner's group is killed
+
+
+def _start(source: str, limits: _Limits, program_fds: tuple[int, ...]) -> _Started:
+    """Write the program and start the runner on it; `program_fds` reach the program (their
+    numbers follow the program's name in its argv). Raises OSError when no child can start."""
     started = time.monotonic()
     folder = Path(tempfile.mkdtemp(prefix="grpo-sandbox-"))
     os.chmod(folder, 0o711)  # the dropped uid must reach folder/work when no mount namespace
     program = folder / "source.py"
+    # Owner only: the runner reads it before dropping its uid, and another sandbox (the model's
+    # code, beside its tests) must not, wherever the temporary folder is.
+    program.touch(mode=0o600)
     program.write_bytes(source.encode("utf-8", "replace"))
     report_read, report_write = os.pipe()
     try:
         process = subprocess.Popen(
             [sys.executable, "-I", "-S", str(RUNNER), str(program), str(folder / "work"),
-             str(report_write), str(timeout), str(memory_mb), str(max_file_bytes),
-             str(max_processes), str(SANDBOX_UID_BASE), str(int(use_namespaces))],
+             str(report_write), str(limits.timeout), str(limits.memory_mb),
+             str(limits.max_file_bytes), str(limits.max_processes), str(SANDBOX_UID_BASE),
+             str(int(limits.use_namespaces)), ",".join(map(str, program_fds))],
             stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
             env={"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8"}, cwd=folder,
-            start_new_session=True, pass_fds=(report_write,),
+            start_new_session=True, pass_fds=(report_write, *program_fds),
         )
     except BaseException:
         os.close(report_read)
@@ -85,14 +151,21 @@ def run_sandboxed(source: str, timeout: float, memory_mb: int = 512,
         raise
     finally:
         os.close(report_write)
+    return _Started(process, folder, report_read, started, started + limits.timeout)
+
+
+def _finish(run: _Started, max_output_bytes: int) -> SandboxResult:
+    """Wait for the runner (killing its group at the deadline), kill whatever of it is left,
+    remove its folder, and say what happened."""
+    process = run.process
     streams = {process.stdout: _CappedStream(max_output_bytes),
                process.stderr: _CappedStream(max_output_bytes)}
     report = _CappedStream(8192)
-    timed_out = _pump(process, streams, report_read, report, deadline=started + timeout)
+    timed_out = _pump(process, streams, run.report_fd, report, deadline=run.deadline)
     sandbox_uid = SANDBOX_UID_BASE + process.pid
     _kill_all(process, sandbox_uid)
     process.wait()
-    shutil.rmtree(folder, ignore_errors=True)
+    shutil.rmtree(run.folder, ignore_errors=True)
     stdout, stderr = streams[process.stdout], streams[process.stderr]
     exit_code = process.returncode
     if exit_code is not None and exit_code < 0:  # the runner itself was killed
@@ -107,7 +180,7 @@ def run_sandboxed(source: str, timeout: float, memory_mb: int = 512,
         isolation=_describe(bytes(report.head)),
         stdout_tail=stdout.tail.decode("utf-8", "replace"),
         truncated=stdout.total > max_output_bytes or stderr.total > max_output_bytes,
-        wall_s=time.monotonic() - started,
+        wall_s=time.monotonic() - run.started,
     )
 
 

@@ -2,7 +2,7 @@
 
 Started by `sandbox.run_sandboxed` as
 
-    python -I -S sandbox_runner.py PROGRAM FALLBACK_DIR REPORT_FD TIMEOUT MEMORY_MB FILE_BYTES NPROC UID_BASE USE_NAMESPACES
+    python -I -S sandbox_runner.py PROGRAM FALLBACK_DIR REPORT_FD TIMEOUT MEMORY_MB FILE_BYTES NPROC UID_BASE USE_NAMESPACES PROGRAM_FDS
 
 and imports nothing from grpo_cli (it must start fast and trust nothing outside the stdlib).
 Order: read the program; unshare namespaces (mount, network, pid, ipc; plus user when not root);
@@ -10,7 +10,9 @@ make mounts private, the whole tree read-only and nosuid, fresh tmpfs on /tmp, /
 empty tmpfs over the home folders and /run (the host's Unix sockets); fork an init, which mounts
 a fresh /proc (it is pid 1 of the new pid namespace) and forks the program's process, which sets
 the rlimits, drops to UID_BASE + its pid, installs the seccomp filter (seccomp.py), writes a
-one-line JSON report of what applied to REPORT_FD and execs a clean interpreter on the program.
+one-line JSON report of what applied to REPORT_FD and execs a clean interpreter on the program,
+whose argv after its name is PROGRAM_FDS (comma-separated descriptors it inherits: the pipes of
+`sandbox.run_connected`; empty for none).
 This process waits for it and exits with its exit code (128 + signal when it was killed), so the
 user code's parent is the runner's init, never the trainer. Every step is best-effort; what
 failed is named in the report.
@@ -169,6 +171,7 @@ def main() -> None:
     timeout, memory_mb = float(sys.argv[4]), int(sys.argv[5])
     file_bytes, processes, sandbox_uid = int(sys.argv[6]), int(sys.argv[7]), int(sys.argv[8])
     use_namespaces = sys.argv[9] == "1"
+    program_args = [fd for fd in sys.argv[10].split(",") if fd]
     seccomp = _load_seccomp()  # now: the dropped uid may not be able to read it
     sandbox_uid += os.getpid()  # one uid per run: its own NPROC count, no one else to signal
     libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL)  # the trainer died: so do we
@@ -231,7 +234,7 @@ def main() -> None:
         os.write(report_fd, (json.dumps({"applied": applied, "notes": notes}) + "\n").encode())
         os.close(report_fd)
         options = ["-c", BLOCK_SOCKETS] if block_sockets else []
-        os.execve(python, [python, "-I", "-B", *options, "program.py"], env)
+        os.execve(python, [python, "-I", "-B", *options, "program.py", *program_args], env)
 
     def start_init() -> None:
         libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
