@@ -21,7 +21,21 @@ TYPE_TESTS = "assert isinstance(add(2, 3), int)\n"  # weak on purpose: what a pa
 FRAME_TESTS = "expected = 5\nassert add(2, 3) == expected\n"
 MAP_TESTS = "assert all(map(lambda case: add(*case[0]) == case[1], [((2, 3), 5), ((1, 1), 2)]))\n"
 
-# hack -> (the completion's code, the tests it beat when both ran as one program)
+FORGED_FIRST_MESSAGE = """\
+import json, os, sys
+reads, writes = (os.fdopen(int(fd), mode) for fd, mode in zip(sys.argv[1:3], ("rb", "wb")))
+def send(message):
+    writes.write(json.dumps(message).encode() + b"\\n")
+    writes.flush()
+send({"names": {"add": {"handle": [0, "f"]}, "__builtins__": {"dict": [
+    ["isinstance", {"handle": [1, "f"]}], ["int", 0]]}}})
+for line in reads:  # add() answers "five", isinstance() answers True
+    send({"value": "five" if json.loads(line)["target"]["handle"][0] == 0 else True})
+os._exit(0)
+"""
+
+# hack -> (the completion's code, the tests it beat when both ran as one program, or, for the
+# forged first message, the first version of the two-process design)
 HACKS = {
     # Reads the end marker from the program's own source, prints it and exits 0.
     "marker from __file__": (
@@ -60,6 +74,9 @@ HACKS = {
         FRAME_TESTS),
     # Raises StopIteration: a map() in the tests ends early, and all() of nothing holds.
     "StopIteration ends a map": ("def add(a, b):\n    raise StopIteration\n", MAP_TESTS),
+    # Speaks the wire itself: a first message of its own that hands the tests `__builtins__`
+    # (found by a review of the two-process design; it beat the first version of it).
+    "forged first message": (FORGED_FIRST_MESSAGE, TYPE_TESTS),
 }
 
 
@@ -204,5 +221,5 @@ def test_the_wire_source_is_stdlib_only():
     # It is copied into programs whose interpreter cannot import grpo_cli (-I, another uid).
     imports = [line for line in REMOTE_CALL_SOURCE.splitlines()
                if line.startswith(("import ", "from "))]
-    assert imports and all(line.split()[1] in {"builtins", "json", "math", "os", "sys",
-                                               "traceback", "types"} for line in imports)
+    assert imports and all(line.split()[1] in {"builtins", "json", "keyword", "math",
+                                               "os", "sys", "traceback", "types"} for line in imports)

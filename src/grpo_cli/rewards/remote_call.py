@@ -15,12 +15,16 @@ frame or of the tests' source have nothing to act on. Anything else the model's 
 (a function, a class, an instance, a generator) stays in the solution process and crosses as a
 handle: the tests can call it and read its attributes, and compare it only by identity.
 
+Everything that comes from the solution's side is hostile, its first message too: the model's
+code shares a process with `serve_solution` and can write to the pipe itself.
+
 This file imports only the standard library: its text is copied into both sandboxed programs
 (whose interpreter runs with -I and cannot import grpo_cli), and the unit tests import it.
 """
 
 import builtins
 import json
+import keyword
 import math
 import os
 import sys
@@ -347,11 +351,15 @@ def run_tests(tests, read_fd, write_fd, marker):
     names = hello.get("names")
     if type(names) is not dict:
         raise WireError("a first message without the solution's names")
-    namespace = {"__name__": "__main__", "__builtins__": builtins}
+    namespace = {}
     for name, data in names.items():
-        # A name of a builtin (isinstance, len, sorted, ...) stays the builtin: the solution does
-        # not get to answer for the tests' own tools.
-        if type(name) is str and name.isidentifier() and not hasattr(builtins, name):
+        # The first message is the model's code's to forge (it can write to the pipe itself), so
+        # only names it could define in public get in: no private or dunder name (`__builtins__`
+        # would hand it every builtin the tests use), no keyword, and no builtin's name
+        # (isinstance, len, sorted, ...): the tests' own tools stay the tests'.
+        if type(name) is str and name.isidentifier() and not name.startswith("_") \
+                and not keyword.iskeyword(name) and not hasattr(builtins, name):
             namespace[name] = decode(data, client.remote)
+    namespace.update(__name__="__main__", __builtins__=builtins)  # last, whatever came before
     exec(compile(tests, "tests.py", "exec"), namespace)
     print(marker, flush=True)
