@@ -14,7 +14,6 @@ import pytest
 
 from grpo_cli.rewards.code import REMOTE_CALL_SOURCE, code_execution
 from grpo_cli.rewards.sandbox import run_connected
-from sandbox_contained import contained  # noqa: F401 - a fixture
 
 ADD_TESTS = "assert add(2, 3) == 5\nassert add(-1, 1) == 0\n"
 TYPE_TESTS = "assert isinstance(add(2, 3), int)\n"  # weak on purpose: what a patch would beat
@@ -223,3 +222,12 @@ def test_the_wire_source_is_stdlib_only():
                if line.startswith(("import ", "from "))]
     assert imports and all(line.split()[1] in {"builtins", "json", "keyword", "math",
                                                "os", "sys", "traceback", "types"} for line in imports)
+
+
+def test_a_solution_that_hangs_in_a_call_times_out_with_the_penalty(contained):
+    # The tests wait on the call until their own deadline: a timeout (-0.1), never a closed pipe
+    # from the solution's deadline coming first (which would read as a failed test, 0.0).
+    hangs = "def add(a, b):\n    while True:\n        pass\n"
+    rewards = code_execution(["p"] * 2, [hangs] * 2, tests=[ADD_TESTS] * 2, timeout=1.0,
+                             timeout_penalty=-0.1)
+    assert rewards == [-0.1, -0.1]

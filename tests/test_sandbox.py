@@ -19,7 +19,7 @@ import pytest
 
 from grpo_cli.rewards.code import code_execution, extract_code
 from grpo_cli.rewards.sandbox import SANDBOX_UID_BASE, run_sandboxed
-from sandbox_contained import contained, live_processes  # noqa: F401 - a fixture
+from sandbox_processes import live_processes
 
 PROJECT_ROOT = Path(__file__).resolve().parents[1]
 ADD = "def add(a, b):\n    return a + b\n"

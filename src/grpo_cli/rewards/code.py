@@ -60,9 +60,9 @@ def _passes(code: str, snippet: str, timeout: float, memory_mb: int) -> bool | N
     solution = f"{REMOTE_CALL_SOURCE}\n\nserve_solution({code!r}, *map(int, sys.argv[1:3]))\n"
     tests = (f"{REMOTE_CALL_SOURCE}\n\n"
              f"run_tests({snippet!r}, *map(int, sys.argv[1:3]), marker={marker!r})\n")
-    _, result = run_connected(solution, tests, timeout=timeout, memory_mb=memory_mb)
-    if result.timed_out:
-        return None
+    solution_run, result = run_connected(solution, tests, timeout=timeout, memory_mb=memory_mb)
+    if result.timed_out or solution_run.timed_out:  # its CPU-time limit can end the model's code
+        return None  # while the tests wait on it: that is a timeout too, not a failed test
     return result.exit_code == 0 and result.stdout_tail.endswith(f"{marker}\n")
 
 

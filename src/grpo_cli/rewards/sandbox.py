@@ -31,6 +31,7 @@ RUNNER = Path(__file__).with_name("sandbox_runner.py")
 SANDBOX_UID_BASE = 1_900_000_000  # + the runner's pid: one uid per run, owned by nobody else
 TAIL_BYTES = 1024
 DRAIN_AFTER_EXIT_S = 0.5  # how long to keep reading after the runner exited
+CONNECTED_GRACE_S = 1.0  # run_connected: the first program's deadline after the second's
 
 
 @dataclass
@@ -77,13 +78,17 @@ def run_connected(first: str, second: str, timeout: float, memory_mb: int = 512,
     """Run two programs at once, each in a sandbox of its own, joined by two pipes and nothing
     else: each finds the file descriptors of its ends as `sys.argv[1]` (it reads there) and
     `sys.argv[2]` (it writes there). When `second` has ended, `first` is killed: `second` holds
-    the verdict (the code reward's tests), `first` only serves it (the model's code). Neither
-    can see, signal or read the files of the other: separate namespaces and uids."""
+    the verdict (the code reward's tests), `first` only serves it (the model's code). So
+    `first`'s wall-clock deadline comes CONNECTED_GRACE_S after `second`'s: a `first` that
+    hangs is ended by `second`'s timeout, not by its own a moment earlier (which `second`
+    would see as a closed pipe, not as a timeout). Neither can see, signal or read the files
+    of the other: separate namespaces and uids."""
     limits = _Limits(timeout, memory_mb, 16 << 20, 32, use_namespaces)
     first_reads, second_writes = os.pipe()
     second_reads, first_writes = os.pipe()
     try:
-        first_run = _start(first, limits, program_fds=(first_reads, first_writes))
+        first_run = _start(first, limits, program_fds=(first_reads, first_writes),
+                           grace=CONNECTED_GRACE_S)
         try:
             second_run = _start(second, limits, program_fds=(second_reads, second_writes))
         except BaseException:
@@ -123,7 +128,8 @@ class _Started:
     deadline: float  # time.monotonic() at which the runner's group is killed
 
 
-def _start(source: str, limits: _Limits, program_fds: tuple[int, ...]) -> _Started:
+def _start(source: str, limits: _Limits, program_fds: tuple[int, ...],
+           grace: float = 0.0) -> _Started:
     """Write the program and start the runner on it; `program_fds` reach the program (their
     numbers follow the program's name in its argv). Raises OSError when no child can start."""
     started = time.monotonic()
@@ -151,7 +157,7 @@ def _start(source: str, limits: _Limits, program_fds: tuple[int, ...]) -> _Start
         raise
     finally:
         os.close(report_write)
-    return _Started(process, folder, report_read, started, started + limits.timeout)
+    return _Started(process, folder, report_read, started, started + limits.timeout + grace)
 
 
 def _finish(run: _Started, max_output_bytes: int) -> SandboxResult:
