@@ -38,7 +38,7 @@ from grpo_cli.models import load_models, trainable_parameters
 from grpo_cli.optim import make_optimizer, make_scheduler
 from grpo_cli.prompts import PromptSource, train_and_eval_rows
 from grpo_cli.sampling import make_sampler
-from grpo_cli.tiny import resolve_builtin
+from grpo_cli.model_sources import resolve_model
 from grpo_cli.update import update_policy
 
 GSM8K = Path(__file__).resolve().parents[2] / "shared" / "data" / "gsm8k" / "train.jsonl"
@@ -67,7 +67,7 @@ def build_random_model(block, folder: Path, dtype: torch.dtype, device: str) -> 
     """A model folder of the block's shape with random weights and the tiny tokenizer."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-    tiny = Path(resolve_builtin("builtin:tiny-addition"))
+    tiny = Path(resolve_model("builtin:tiny-addition"))
     tokenizer = AutoTokenizer.from_pretrained(tiny)
     values = {k: v for k, v in OmegaConf.to_container(block).items() if v is not None}
     config = AutoConfig.for_model(values.pop("model_type"), **values, eos_token_id=tokenizer.eos_token_id,
@@ -83,7 +83,7 @@ def build_random_model(block, folder: Path, dtype: torch.dtype, device: str) -> 
 def run_case(name: str, device: str, steps: int, work: Path) -> list[tuple[str, str, float, float | None]]:
     """(case, phase, planned GB, measured GB or None) of the last step."""
     if name == "tiny":
-        folder = Path(resolve_builtin("builtin:tiny-addition"))
+        folder = Path(resolve_model("builtin:tiny-addition"))
     else:
         with initialize_config_dir(config_dir=config_dir(), version_base="1.3"):
             preset = compose(config_name="config", overrides=CASES[name][:1])

@@ -64,8 +64,9 @@ def bench_model(size: str) -> Path:
     import torch
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
+    from grpo_cli.model_sources import cache_root
     from grpo_cli.tasks import addition_rows
-    from grpo_cli.tiny import cache_root, train_tokenizer
+    from grpo_cli.tiny import train_tokenizer
 
     folder = cache_root() / f"bench-{size}-v{BUILD_VERSION}"
     if (folder / "config.json").is_file():

@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any, NamedTuple, Optional, Sequence
 
 from grpo_cli.config import ConfigError
-from grpo_cli.tiny import resolve_builtin
+from grpo_cli.model_sources import resolve_model
 
 ALL_LINEAR = "all-linear"
 
@@ -154,7 +154,7 @@ def local_config(name_or_path: str, trust_remote_code: bool = False) -> Optional
     """transformers' config of a model on this machine (its config.json only), else None."""
     from transformers import AutoConfig
 
-    source = resolve_builtin(name_or_path)
+    source = resolve_model(name_or_path)
     folder = Path(source).expanduser()
     is_folder = (folder / "config.json").is_file()
     if not is_folder and (folder.exists() or source.count("/") != 1):

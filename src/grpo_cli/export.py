@@ -56,14 +56,14 @@ def run_settings(checkpoint: Path) -> dict:
 def base_model_of(checkpoint: Path, settings: dict) -> str:
     """Where the adapter's base model is: the run's model.name_or_path (builtin names resolved),
     else what PEFT recorded in adapter_config.json."""
-    from grpo_cli.tiny import resolve_builtin
+    from grpo_cli.model_sources import resolve_model
 
     name = settings.get("name_or_path") or json.loads((checkpoint / ADAPTER_CONFIG).read_text()).get(
         "base_model_name_or_path")
     if not name:
         raise ExportError(f"{checkpoint / ADAPTER_CONFIG} names no base model and the run's config.yaml is "
                           "not two folders up. Export from inside the run folder.")
-    return resolve_builtin(name)  # builtin:NAME -> its local folder; anything else unchanged
+    return resolve_model(name)  # builtin:NAME or a .gguf -> its local folder; else unchanged
 
 
 def export(source: Path, out: Path, dtype_name: Optional[str] = None) -> Path:

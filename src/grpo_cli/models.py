@@ -20,7 +20,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from grpo_cli.config import ConfigError, ModelConfig
-from grpo_cli.tiny import resolve_builtin
+from grpo_cli.model_sources import resolve_model
 
 
 @dataclass
@@ -103,7 +103,7 @@ def check_model_source(cfg: ModelConfig) -> str:
 def _local_folder(cfg: ModelConfig) -> Optional[str]:
     """The model's folder when it is one (built-in models are built now), after checking that its
     config.json is there and parses; None for a name that can only be a hub id."""
-    source = resolve_builtin(cfg.name_or_path)
+    source = resolve_model(cfg.name_or_path)
     folder = Path(source).expanduser()
     if not folder.is_dir():
         if folder.exists() or source.startswith(("/", "./", "../", "~")) or source.count("/") > 1:

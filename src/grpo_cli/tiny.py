@@ -1,6 +1,7 @@
 """Build the tiny local model of the embedded default: nothing is downloaded, ever.
 
-`builtin:tiny-addition` resolves to a Hugging Face model folder built here on first use:
+`builtin:tiny-addition` resolves (grpo_cli.model_sources) to a Hugging Face model folder built
+here on first use:
 1. a byte-level BPE tokenizer trained on the task's own text (digits split one per token);
 2. a Qwen2-architecture model (hidden 128, 4 layers, ~0.6M parameters) with random weights;
 3. a short supervised warm start on the task, stopped early on purpose (greedy accuracy ~30%)
@@ -15,10 +16,7 @@ use the same builder.
 
 from __future__ import annotations
 
-import os
 import random
-import shutil
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -26,10 +24,10 @@ import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 
+from grpo_cli.model_sources import save_folder_atomically
 from grpo_cli.rewards.math import exact_match
 from grpo_cli.tasks import SYNTHETIC_TASKS
 
-BUILTIN_PREFIX = "builtin:"
 EOS_TOKEN = "<|endoftext|>"
 # Bump when the builder changes, so cached folders from an older builder are not reused.
 BUILDER_VERSION = 1
@@ -55,24 +53,9 @@ TINY_MODELS: dict[str, TinySpec] = {
 }
 
 
-def cache_root() -> Path:
-    """Where built tiny models live: $GRPO_CLI_CACHE, else ~/.cache/grpo-cli."""
-    return Path(os.environ.get("GRPO_CLI_CACHE", Path.home() / ".cache" / "grpo-cli"))
-
-
-def resolve_builtin(name_or_path: str) -> str:
-    """`builtin:NAME` -> the folder of that tiny model (built now if missing); anything else as is."""
-    if not name_or_path.startswith(BUILTIN_PREFIX):
-        return name_or_path
-    name = name_or_path[len(BUILTIN_PREFIX):]
-    if name not in TINY_MODELS:
-        from grpo_cli.config import ConfigError
-
-        raise ConfigError(
-            f"model.name_or_path={name_or_path}: no built-in model of that name; the built-in "
-            f"models are {', '.join(BUILTIN_PREFIX + n for n in TINY_MODELS)}."
-        )
-    folder = cache_root() / f"{name}-v{BUILDER_VERSION}"
+def tiny_model_folder(name: str, cache: Path) -> str:
+    """The folder of TINY_MODELS[name] in `cache`, built now if missing."""
+    folder = cache / f"{name}-v{BUILDER_VERSION}"
     if not (folder / "config.json").is_file():
         build_tiny_model(TINY_MODELS[name], folder)
     return str(folder)
@@ -88,18 +71,7 @@ def build_tiny_model(spec: TinySpec, folder: Path, log=print) -> Path:
     accuracy = warm_start(model, tokenizer, rows(), spec)
     log(f"  warm start: {spec.warm_start_steps} steps, greedy accuracy on all problems {accuracy:.2f}")
 
-    folder.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{folder.name}-", dir=folder.parent))
-    try:
-        model.save_pretrained(staging)
-        tokenizer.save_pretrained(staging)
-        if folder.exists():  # another process finished first: keep theirs
-            shutil.rmtree(staging)
-        else:
-            staging.rename(folder)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
+    save_folder_atomically(folder, model, tokenizer)
     return folder
 
 

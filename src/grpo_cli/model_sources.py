@@ -1,0 +1,72 @@
+"""Where a model's folder is: built-in names and GGUF files become folders in the cache.
+
+`resolve_model` is the one place that turns `model.name_or_path` into something
+`from_pretrained` reads: `builtin:tiny-addition` (built here, grpo_cli.tiny),
+`builtin:smollm2-135m-instruct` (a real model from a PyPI wheel, grpo_cli.pretrained), a `.gguf`
+file (converted once, grpo_cli.pretrained); a folder or hub id is returned as it is.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+BUILTIN_PREFIX = "builtin:"
+
+
+def cache_root() -> Path:
+    """Where built and converted models live: $GRPO_CLI_CACHE, else ~/.cache/grpo-cli."""
+    return Path(os.environ.get("GRPO_CLI_CACHE", Path.home() / ".cache" / "grpo-cli"))
+
+
+def builtin_names() -> list[str]:
+    from grpo_cli.pretrained import WHEEL_MODELS
+    from grpo_cli.tiny import TINY_MODELS
+
+    return [BUILTIN_PREFIX + name for name in [*TINY_MODELS, *WHEEL_MODELS]]
+
+
+def resolve_model(name_or_path: str) -> str:
+    """`builtin:NAME` or a `.gguf` file -> its folder in the cache (made now if missing);
+    anything else unchanged. ConfigError for an unknown built-in name or a failed fetch."""
+    from grpo_cli.config import ConfigError
+
+    if name_or_path.startswith(BUILTIN_PREFIX):
+        from grpo_cli.pretrained import WHEEL_MODELS, wheel_model_folder
+        from grpo_cli.tiny import TINY_MODELS, tiny_model_folder
+
+        name = name_or_path[len(BUILTIN_PREFIX):]
+        if name in TINY_MODELS:
+            return tiny_model_folder(name, cache_root())
+        if name in WHEEL_MODELS:
+            return wheel_model_folder(name, cache_root())
+        raise ConfigError(
+            f"model.name_or_path={name_or_path}: no built-in model of that name; the built-in "
+            f"models are {', '.join(builtin_names())}."
+        )
+    path = Path(name_or_path).expanduser()
+    if path.suffix.lower() == ".gguf" and path.is_file():
+        from grpo_cli.pretrained import gguf_folder
+
+        return gguf_folder(path, cache_root())
+    return name_or_path
+
+
+def save_folder_atomically(folder: Path, *parts) -> None:
+    """`save_pretrained` of each part (a model, a tokenizer) into a staging folder beside
+    `folder`, renamed to `folder` at the end: a killed save leaves no half folder behind, and a
+    folder another process finished first is kept."""
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{folder.name}-", dir=folder.parent))
+    try:
+        for part in parts:
+            part.save_pretrained(staging)
+        if folder.exists():
+            shutil.rmtree(staging)
+        else:
+            staging.rename(folder)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
