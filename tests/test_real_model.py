@@ -66,6 +66,7 @@ def test_greedy_completions_of_both_samplers_are_identical_and_end_at_im_end(rea
     assert outputs["fast"][0] == "2 + 3 = 5", outputs  # measured; then <|im_end|>, not shown
 
 
+@pytest.mark.slow
 def test_what_follows_im_end_is_masked_though_it_is_also_the_pad_token(smollm2_dir, questions):
     # The same rollout twice (the same seed), the second with every token after the first
     # <|im_end|> replaced by other ids: the loss, the KL and every updated weight are the same,
