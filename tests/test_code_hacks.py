@@ -13,7 +13,7 @@ import tempfile
 import pytest
 
 from grpo_cli.rewards.code import REMOTE_CALL_SOURCE, code_execution
-from grpo_cli.rewards.sandbox import run_connected
+from grpo_cli.rewards.sandbox import run_connected, run_sandboxed
 
 ADD_TESTS = "assert add(2, 3) == 5\nassert add(-1, 1) == 0\n"
 TYPE_TESTS = "assert isinstance(add(2, 3), int)\n"  # weak on purpose: what a patch would beat
@@ -96,6 +96,11 @@ def test_the_tests_of_each_hack_pass_a_real_solution(contained):
 
 def test_killing_every_process_it_can_reach_does_not_touch_the_tests(contained):
     # Every pid it sees, and kill(-1): its own pid namespace and uid hold nothing of the tests'.
+    # Without both (a fallback, docs/SANDBOX.md) it would have the trainer's uid and kill this
+    # very test run: asked only where the solution's run had one of them.
+    isolation = run_sandboxed("", timeout=5).isolation
+    if "pidns" not in isolation and "uid=" not in isolation:
+        pytest.skip(f"neither a pid namespace nor a uid of its own here: {isolation}")
     code = ("import os, signal\n"
             "for pid in [int(p) for p in os.listdir('/proc') if p.isdigit()] + [-1]:\n"
             "    if pid != os.getpid():\n"
@@ -189,10 +194,15 @@ REAL_SOLUTIONS = {
 
 
 def test_real_solutions_and_tests_still_pass(contained):
-    codes, tests = zip(*REAL_SOLUTIONS.values())
+    cases = dict(REAL_SOLUTIONS)
+    # The sandbox runs the base interpreter (the venv's site-packages are not its): numpy only
+    # where that interpreter has it.
+    if run_sandboxed("import numpy", timeout=10).exit_code != 0:
+        del cases["numpy values"]
+    codes, tests = zip(*cases.values())
     rewards = code_execution(["p"] * len(codes), [f"```python\n{c}```" for c in codes],
                              tests=list(tests))
-    assert dict(zip(REAL_SOLUTIONS, rewards)) == dict.fromkeys(REAL_SOLUTIONS, 1.0)
+    assert dict(zip(cases, rewards)) == dict.fromkeys(cases, 1.0)
 
 
 # What the two processes cannot do (docs/SANDBOX.md, "Two processes"): the tests see what the

@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import json
 import zipfile
@@ -136,7 +135,8 @@ def test_a_file_that_is_not_gguf_is_named(fake_builtin):
     with pytest.raises(ConfigError, match=r"transformers cannot read this GGUF file \(.*does not "
                                           r"start with the GGUF magic bytes"):
         resolve_model("builtin:fake")
-    assert not any(path.name.endswith("-v1") for path in (cache_root() / "gguf").iterdir())
+    converted = f"-v{pretrained.CONVERTER_VERSION}"
+    assert not any(path.name.endswith(converted) for path in (cache_root() / "gguf").iterdir())
 
 
 def test_the_gguf_hash_is_read_once_per_file_version(tmp_path, monkeypatch):
@@ -152,23 +152,51 @@ def test_the_gguf_hash_is_read_once_per_file_version(tmp_path, monkeypatch):
     assert opened == [str(path)]
 
 
-def test_the_model_presets_architecture_is_the_converted_config(smollm2_dir):
-    # The memory planner reads model.architecture when the model is not here yet: the preset's
-    # numbers must be the ones the fetched model has.
+def test_the_model_preset_names_the_builtin_and_the_planner_reads_its_config(smollm2_dir):
+    # No architecture block in the preset: the planner reads the fetched model's config.json,
+    # which a preset's numbers could contradict (they may belong to another model).
     from hydra import compose, initialize_config_dir
-    from omegaconf import OmegaConf
 
-    from grpo_cli.architecture import architecture_from_block, architecture_from_hf
+    from grpo_cli.architecture import architecture_of
     from grpo_cli.cli import config_dir
-    from transformers import AutoConfig
 
     with initialize_config_dir(config_dir=config_dir(), version_base="1.3"):
         cfg = compose(config_name="config", overrides=["model=smollm2-135m-instruct"])
     assert cfg.model.name_or_path == "builtin:smollm2-135m-instruct"
-    from_preset = architecture_from_block(cfg.model.architecture, cfg.model.name_or_path)
-    from_folder = architecture_from_hf(AutoConfig.from_pretrained(smollm2_dir))
-    # The block has no context length (the planner does not need one): all else is the same.
-    same = dict(context_length=from_folder.context_length, source="")
-    assert dataclasses.replace(from_preset, **same) == dataclasses.replace(from_folder, **same)
-    assert OmegaConf.to_container(cfg.model.lora)["target_modules"] == ["q_proj", "k_proj",
-                                                                        "v_proj", "o_proj"]
+    assert cfg.model.get("architecture") is None
+    shape = architecture_of(cfg.model)
+    assert (shape.vocab_size, shape.num_layers, shape.hidden_size) == (49152, 30, 576)
+
+
+class _Part:
+    """Stands for a model or tokenizer: save_pretrained writes one file, and `meanwhile` runs
+    first (another process at work on the same folder)."""
+
+    def __init__(self, meanwhile=lambda: None):
+        self.meanwhile = meanwhile
+
+    def save_pretrained(self, folder):
+        self.meanwhile()
+        (Path(folder) / "config.json").write_text("{}")
+
+
+def test_a_folder_another_process_finished_first_is_kept(tmp_path):
+    # Two torchrun ranks convert at once: the one that renames second keeps the first's folder.
+    from grpo_cli.model_sources import save_folder_atomically
+
+    folder = tmp_path / "cache" / "model"
+
+    def other_rank_finishes():
+        folder.mkdir(parents=True)
+        (folder / "config.json").write_text('{"theirs": true}')
+        (folder / "model.safetensors").write_text("")
+
+    save_folder_atomically(folder, _Part(other_rank_finishes))
+    assert json.loads((folder / "config.json").read_text()) == {"theirs": True}
+    assert sorted(path.name for path in folder.parent.iterdir()) == ["model"]  # no staging left
+    # A rename that fails for another reason still fails, and leaves no staging folder.
+    blocked = tmp_path / "blocked" / "model"
+    with pytest.raises(OSError):
+        save_folder_atomically(blocked, _Part(lambda: blocked.mkdir(parents=True) or (
+            blocked / "not-a-model.txt").write_text("x")))
+    assert sorted(path.name for path in blocked.parent.iterdir()) == ["model"]

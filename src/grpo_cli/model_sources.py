@@ -30,7 +30,9 @@ def builtin_names() -> list[str]:
 
 def resolve_model(name_or_path: str) -> str:
     """`builtin:NAME` or a `.gguf` file -> its folder in the cache (made now if missing);
-    anything else unchanged. ConfigError for an unknown built-in name or a failed fetch."""
+    anything else unchanged. ConfigError for an unknown built-in name or a failed fetch.
+    The memory planner resolves through here too: it reads the real config.json of a built-in
+    model (fetched if need be), never a preset's numbers that may belong to another model."""
     from grpo_cli.config import ConfigError
 
     if name_or_path.startswith(BUILTIN_PREFIX):
@@ -63,10 +65,12 @@ def save_folder_atomically(folder: Path, *parts) -> None:
     try:
         for part in parts:
             part.save_pretrained(staging)
-        if folder.exists():
-            shutil.rmtree(staging)
-        else:
+        try:
             staging.rename(folder)
+        except OSError:
+            if not (folder / "config.json").is_file():
+                raise
+            shutil.rmtree(staging)  # another process (a torchrun rank) finished first: theirs
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise

