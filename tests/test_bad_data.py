@@ -126,6 +126,7 @@ def test_a_deeply_nested_record_is_a_message_not_a_recursion_error(tiny_model_di
             in validate_error(tiny_model_dir, f"data.path={path}"))
 
 
+@pytest.mark.slow
 def test_a_deeply_nested_record_through_the_cli(tiny_model_dir, tmp_path):
     path = tmp_path / "rows.jsonl"
     path.write_text(json.dumps(GOOD) + "\n" + '{"prompt": ' + "[" * 100_000 + "]" * 100_000 + "}\n")

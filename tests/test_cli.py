@@ -67,6 +67,7 @@ def test_checkpoint_is_a_loadable_hugging_face_folder(three_step_run):
     assert model.config.model_type == "qwen2" and tokenizer.eos_token == "<|endoftext|>"
 
 
+@pytest.mark.slow
 def test_resume_continues_step_counter_optimizer_and_metrics_exactly(three_step_run, tmp_path):
     # A copy: resuming extends the run folder in place, and the other tests read the 3-step run.
     # Nothing in it names its own folder (resume reads the command line, not config.yaml).

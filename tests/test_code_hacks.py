@@ -141,11 +141,13 @@ def test_the_solution_cannot_read_the_tests_source(contained, tmp_path, side, us
                                       trainer_temp=tempfile.gettempdir())
     tests = (f"import sys\nSECRET = {secret!r}\n"
              f"sys.stdin = open(int(sys.argv[1]), 'rb')\nsys.stdin.read()\n")  # until it ends
+    if not use_namespaces:  # asked first: the search through a host /tmp takes seconds
+        isolation = run_sandboxed("", timeout=5, use_namespaces=False).isolation
+        if "uid=" not in isolation:
+            pytest.skip(f"no uid drop here, so no separation without namespaces: {isolation}")
     if side == "solution":
         search += f"# {secret}\n"
     solution, _ = run_connected(search, tests, timeout=10, use_namespaces=use_namespaces)
-    if not use_namespaces and "uid=" not in solution.isolation:
-        pytest.skip(f"no uid drop here, so no separation without namespaces: {solution.isolation}")
     expected = "not found" if side == "tests" else "found"
     assert solution.stdout.split(" [")[0] == expected, solution.stdout + solution.stderr
 

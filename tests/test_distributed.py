@@ -105,7 +105,8 @@ def test_how_metrics_combine_over_ranks():
 
 
 @pytest.mark.parametrize("mode,aggregation", [
-    ("ddp", "sequence_mean"), ("ddp", "token_mean"),
+    pytest.param("ddp", "sequence_mean", marks=pytest.mark.slow),
+    pytest.param("ddp", "token_mean", marks=pytest.mark.slow),
     pytest.param("fsdp", "token_mean", marks=pytest.mark.slow), pytest.param("fsdp", "sequence_mean", marks=pytest.mark.slow),
 ])
 def test_two_ranks_compute_the_loss_and_gradients_of_one_process_on_the_whole_batch(tmp_path, tiny_model_dir,

@@ -416,6 +416,7 @@ def test_a_tokenizer_without_eos_token(tiny_model_dir):
         fix_special_tokens(tokenizer, "x")
 
 
+@pytest.mark.slow
 def test_a_logger_whose_package_is_missing_exits_2_naming_it(tmp_path):
     message = cli_error("logger=wandb", tmp_path=tmp_path)
     assert "logger.wandb=true, but the `wandb` package is not installed" in message

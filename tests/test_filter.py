@@ -161,8 +161,9 @@ def test_trainer_resume_filters_with_a_training_runs_policy(tmp_path, tiny_model
     "case,expected",
     [
         ("no out", "out is not set: add +out=OUT.jsonl"),
-        ("out is the input", "is the input file data.path="),
-        ("no data file", "does not exist. Check data.path"),
+        # each a grpo-filter process: two of the four in `make test` only
+        pytest.param("out is the input", "is the input file data.path=", marks=pytest.mark.slow),
+        pytest.param("no data file", "does not exist. Check data.path", marks=pytest.mark.slow),
         ("unknown key", "trainer.bta is not a config key. Did you mean trainer.beta? `grpo-filter --help`"),
     ],
 )

@@ -35,6 +35,7 @@ def rewarded_config(tiny_model_dir, *overrides):
     return cfg
 
 
+@pytest.mark.slow
 def test_plan_only_prints_the_7b_table_and_exits_0_on_a_machine_without_the_model(tmp_path):
     # Qwen2.5-7B is not on this machine: its preset's architecture block is counted.
     result = grpo_train("conf=math_7b", "trainer.plan=true", "trainer.device=cuda", "trainer.memory_budget_gb=16",

