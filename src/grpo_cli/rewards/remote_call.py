@@ -249,13 +249,16 @@ class Remote:
     def __getattr__(self, name):
         if name in Remote.__slots__ or (name.startswith("__") and name.endswith("__")):
             raise AttributeError(name)  # copy, pickle and friends probe these: not the solution's
+        return self._remote_getattr(name)
+
+    def _remote_getattr(self, name):
         return self._client.request({"op": "getattr", "target": self._wire(), "name": name})
 
     def _method(self, name):
         """The solution's method `name` of this object; TypeError when it has none, as Python
         says when a protocol is missing (list() asks for len() first and takes that as "no")."""
         try:
-            return self._client.request({"op": "getattr", "target": self._wire(), "name": name})
+            return self._remote_getattr(name)
         except AttributeError:
             raise TypeError(f"{self!r} has no {name}") from None
 
