@@ -213,7 +213,7 @@ def test_bad_value_exits_2_naming_the_key(tmp_path):
 
 def test_help_and_printing_the_composed_config():
     help_text = grpo_train("--help").stdout
-    assert "grpo-train" in help_text and "conf: code_7b, math_0.5b, math_7b, tiny" in help_text
+    assert "grpo-train" in help_text and "conf: code_7b, math_0.5b, math_7b, smollm2_arithmetic, tiny" in help_text
     assert "algorithm: dapo, dr_grpo, grpo, rloo" in help_text
     printed = grpo_train("--cfg", "job", "conf=math_7b").stdout
     assert "name_or_path: Qwen/Qwen2.5-7B-Instruct" in printed

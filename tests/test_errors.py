@@ -105,7 +105,7 @@ def file_modes_bind_even_root():
                                     "converted to Integer. sampler.group_size takes a whole number."),
         ("data.shuffle=maybe", "data.shuffle takes true or false"),
         ("conf=nope", "conf=nope: there is no preset 'nope' in group 'conf' (no conf/conf/nope.yaml). "
-                      "The conf presets are: code_7b, math_0.5b, math_7b, tiny."),
+                      "The conf presets are: code_7b, math_0.5b, math_7b, smollm2_arithmetic, tiny."),
         ("model=nope", "model=nope: there is no preset 'nope' in group 'model'"),
         ("trainer.beta=[1", "Cannot parse the override 'trainer.beta=[1'"),
     ],

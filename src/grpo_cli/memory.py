@@ -162,8 +162,10 @@ def packed_linear_weights(cfg: Any, arch: Architecture, device: str, dtype: str,
     """sampler=fast on a CPU in float32 (no autocast) decodes with a packed copy of the float32
     linear weights of at least PACK_MIN_WEIGHTS elements (sampling/fast.py, PackedLinears): the
     decoder's unless quantized, the head's, the adapter's. None where nothing is packed."""
+    from grpo_cli.models import resolve_autocast
+
     if (device != "cpu" or dtype != "float32" or str(cfg.sampler.backend).lower() != "fast"
-            or str(cfg.model.autocast).lower() != "none"):
+            or resolve_autocast(str(cfg.model.autocast).lower(), device) != "none"):
         return None
     linears = [Weight("lm_head.weight", arch.vocab_size, arch.hidden_size, 1, False), *adapter]
     if str(cfg.model.quantization).lower() == "none":  # bitsandbytes layers are not nn.Linear

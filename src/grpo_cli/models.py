@@ -255,8 +255,23 @@ def load_models(cfg: ModelConfig, beta: float, device: torch.device,
         reference_device = device if cfg.reference_device.lower() == "same" else resolve_device(cfg.reference_device)
         reference = _from_pretrained(base_path, cfg, dtype, reference_device)
         reference.eval().requires_grad_(False)
-    autocast = torch.bfloat16 if cfg.autocast == "bfloat16" else None
+    autocast = torch.bfloat16 if resolve_autocast(cfg.autocast, device.type) == "bfloat16" else None
     return Models(policy, reference, tokenizer, device, base_path, uses_kl=beta > 0, autocast_dtype=autocast)
+
+
+def cpu_has_fast_bfloat16() -> bool:
+    """avx512_bf16 or AMX: bfloat16 matmuls 1.5x faster than float32 on such CPUs. Without them
+    torch emulates bfloat16, 3x slower on a Xeon with AVX-512 and 50-100x on an AVX2-only EPYC
+    (docs/BENCHMARKS.md)."""
+    return torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
+
+
+def resolve_autocast(autocast: str, device_type: str) -> str:
+    """model.autocast=auto -> bfloat16 on a CPU with fast bfloat16 matmuls, else none (on a GPU,
+    model.dtype=auto already gives bfloat16 weights). Other values are returned as they are."""
+    if autocast != "auto":
+        return autocast
+    return "bfloat16" if device_type == "cpu" and cpu_has_fast_bfloat16() else "none"
 
 
 def fix_special_tokens(tokenizer, name_or_path: str) -> None:

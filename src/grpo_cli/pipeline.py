@@ -207,7 +207,7 @@ def train(cfg: Any, place: Distributed) -> RunResult:
             raise SystemExit(130) from None
     log.close()
     summarize(log, step - start_step, time.perf_counter() - started, eval_before, eval_after,
-              last_checkpoint, output_dir)
+              last_checkpoint, output_dir, parts.scorer.names[1:])
     return RunResult(output_dir, step, eval_before, eval_after, last_checkpoint)
 
 
@@ -364,7 +364,8 @@ def step_metrics(rollout: Rollout, rewards: Rewards, advantages: Advantages, sta
 
 
 def summarize(log: RunLogger, steps: int, seconds: float, eval_before: Optional[float],
-              eval_after: Optional[float], last_checkpoint: Optional[Path], output_dir: Path) -> None:
+              eval_after: Optional[float], last_checkpoint: Optional[Path], output_dir: Path,
+              other_functions: list[str]) -> None:
     summary = summarize_run(log.history)  # the numbers grpo-report gives
     first, last, window = summary.reward_first, summary.reward_last, summary.window
     rows = {
@@ -377,6 +378,11 @@ def summarize(log: RunLogger, steps: int, seconds: float, eval_before: Optional[
         before = "-" if eval_before is None else f"{eval_before:.3f}"
         after = "-" if eval_after is None else f"{eval_after:.3f}"
         rows["greedy eval accuracy, before -> after"] = f"{before} -> {after}"
+    evals = [row for row in log.history if "eval/accuracy" in row]
+    for name in other_functions:  # e.g. a format share or a lenient reading beside the accuracy
+        key = f"eval/{name}"
+        if len(evals) >= 2 and key in evals[0] and key in evals[-1]:
+            rows[f"greedy eval {name}, before -> after"] = f"{evals[0][key]:.3f} -> {evals[-1][key]:.3f}"
     rows["run folder"] = str(output_dir)
     rows["last checkpoint"] = str(last_checkpoint) if last_checkpoint else "none"
     log.summary(rows)

@@ -24,7 +24,7 @@ CHOICES = {
     "model.dtype": ("auto", "float32", "bfloat16", "float16"),
     "model.quantization": ("none", "8bit", "4bit"),
     "sampler.backend": ("hf", "fast"),
-    "model.autocast": ("none", "bfloat16"),
+    "model.autocast": ("none", "bfloat16", "auto"),
     "model.attn_implementation": ("sdpa", "eager", "flash_attention_2"),
     "data.use_chat_template": ("auto", "true", "false"),
     "optimizer.scheduler": ("constant", "linear", "cosine"),

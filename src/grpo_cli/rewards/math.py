@@ -90,14 +90,21 @@ def _latex(text: str) -> str:
     return text if "$" in text else f"${text}$"
 
 
-def math_accuracy(prompts: list[str], completions: list[str], answer: list[Any], **_: Any) -> list[float]:
+def math_accuracy(prompts: list[str], completions: list[str], answer: list[Any], layout: Optional[str] = None,
+                  **_: Any) -> list[float]:
     """1.0 when the completion's final answer equals the reference answer, else 0.0.
 
     Numbers are compared as numbers (thousands separators, `$`, units and a trailing period
-    ignored); anything else (fractions, LaTeX) through math-verify's equivalence check.
+    ignored); anything else (fractions, LaTeX) through math-verify's equivalence check. With
+    `layout` (a regex), a completion that does not match it as a whole scores 0.0 whatever its
+    answer: e.g. `\\s*(\\d+ [-+*] \\d+ = )?\\d+\\.?\\s*` takes "7 * 8 = 56" and "56", not "56. Next...".
     """
+    shape = re.compile(layout, re.DOTALL) if layout is not None else None
     scores = []
     for completion, gold in zip(completions, answer):
+        if shape is not None and not shape.fullmatch(completion):
+            scores.append(0.0)
+            continue
         predicted = extract_final_answer(completion)
         scores.append(float(predicted is not None and is_equivalent(predicted, reference_value(gold))))
     return scores
