@@ -130,3 +130,51 @@ def one_step(cfg, edit_rollout=None):
                           cfg.optimizer.max_grad_norm, beta=beta_at(betas, 0))
     changed = sum(not torch.equal(b, p) for b, p in zip(before, parameters))
     return models, rollout, stats, changed, len(parameters)
+
+
+def token_counts(model_dir, backend: str, temperature: float, samples: int, seed: int, *overrides: str):
+    """(Counter of first tokens, Counter of second tokens) of `samples` completions of the first
+    prompt of config(model_dir, *overrides), drawn by sampler `backend` after manual_seed(seed)."""
+    from collections import Counter
+
+    import torch
+
+    from grpo_cli.models import load_models
+    from grpo_cli.prompts import PromptSource
+    from grpo_cli.sampling import make_sampler
+
+    cfg = config(model_dir, f"sampler.backend={backend}", "data.prompts_per_step=1", f"sampler.group_size={samples}",
+                 "sampler.max_new_tokens=2", "sampler.min_new_tokens=2", f"sampler.temperature={temperature}",
+                 *overrides)
+    models = load_models(cfg.model, 0.0, torch.device("cpu"))
+    batch = PromptSource(cfg.data, models.tokenizer).next_batch()
+    torch.manual_seed(seed)
+    ids = make_sampler(cfg.sampler, models.tokenizer).sample(models.policy, batch).completion_ids
+    return Counter(ids[:, 0].tolist()), Counter(ids[:, 1].tolist())
+
+
+def homogeneity_p_value(first, second) -> float:
+    """Two-sample chi-square test of equal distributions (Counters of equal sample sizes): sum over
+    tokens of (a - b)^2 / (a + b), tokens seen fewer than 10 times in both together pooled into one."""
+    import torch
+
+    pooled, cells = [0, 0], []
+    for token in first.keys() | second.keys():
+        a, b = first[token], second[token]
+        if a + b < 10:
+            pooled[0], pooled[1] = pooled[0] + a, pooled[1] + b
+        else:
+            cells.append((a, b))
+    if sum(pooled) > 0:
+        cells.append(tuple(pooled))
+    statistic = sum((a - b) ** 2 / (a + b) for a, b in cells)
+    freedom = len(cells) - 1
+    return float(torch.special.gammaincc(torch.tensor(freedom / 2), torch.tensor(statistic / 2)))
+
+
+def multinomial_draw(scores, greedy: bool):
+    """The draw `generate` makes (torch.multinomial on the softmax of the warped scores), in the
+    signature of grpo_cli.sampling.fast.draw: patched in, the fast sampler draws generate's tokens."""
+    import torch
+
+    return scores.argmax(dim=-1) if greedy else torch.multinomial(scores.softmax(dim=-1), 1).squeeze(1)

@@ -16,7 +16,7 @@ from grpo_cli.sampling import make_sampler
 from grpo_cli.sampling.fast import (FastSampler, PackedLinears, draw, next_token_scores, packed_gemm_available,
                                     runs_layer_by_layer, single_query_attention)
 from grpo_cli.sampling.hf import HFSampler
-from helpers import config
+from helpers import config, homogeneity_p_value, multinomial_draw, token_counts
 
 
 @pytest.mark.parametrize("temperature, top_k, top_p", [(1.0, 0, 1.0), (0.7, 5, 1.0), (1.3, 0, 0.8), (0.9, 20, 0.5)])
@@ -213,34 +213,6 @@ def test_a_rollout_has_the_hf_layout(tiny_model_dir):
     assert rollout.prompts[:4] == [batch.texts[0]] * 4
 
 
-def token_counts(tiny_model_dir, backend, temperature, samples, seed):
-    """First and second tokens of `samples` completions of one prompt."""
-    cfg, models, sampler = setup(tiny_model_dir, backend, "data.prompts_per_step=1", f"sampler.group_size={samples}",
-                                 "sampler.max_new_tokens=2", "sampler.min_new_tokens=2",
-                                 f"sampler.temperature={temperature}")
-    batch = PromptSource(cfg.data, models.tokenizer).next_batch()
-    torch.manual_seed(seed)
-    ids = sampler.sample(models.policy, batch).completion_ids
-    return Counter(ids[:, 0].tolist()), Counter(ids[:, 1].tolist())
-
-
-def homogeneity_p_value(first: Counter, second: Counter) -> float:
-    """Two-sample chi-square test of equal distributions (equal sample sizes): sum over tokens of
-    (a - b)^2 / (a + b), tokens seen fewer than 10 times in both together pooled into one."""
-    pooled, cells = [0, 0], []
-    for token in first.keys() | second.keys():
-        a, b = first[token], second[token]
-        if a + b < 10:
-            pooled[0], pooled[1] = pooled[0] + a, pooled[1] + b
-        else:
-            cells.append((a, b))
-    if sum(pooled) > 0:
-        cells.append(tuple(pooled))
-    statistic = sum((a - b) ** 2 / (a + b) for a, b in cells)
-    freedom = len(cells) - 1
-    return float(torch.special.gammaincc(torch.tensor(freedom / 2), torch.tensor(statistic / 2)))
-
-
 def test_first_and_second_token_frequencies_match_generate(tiny_model_dir):
     samples = 4000
     hf = token_counts(tiny_model_dir, "hf", 1.0, samples, seed=1)
@@ -259,9 +231,6 @@ def test_with_generates_random_draw_the_fast_sampler_draws_the_very_same_tokens(
     # the two samplers, seeded alike, return the same tokens: the distribution is generate's,
     # exactly, at every position of every completion; only the random stream differs.
     import grpo_cli.sampling.fast as fast
-
-    def multinomial_draw(scores, greedy):
-        return scores.argmax(dim=-1) if greedy else torch.multinomial(scores.softmax(dim=-1), 1).squeeze(1)
 
     completions = {}
     for backend in ("hf", "fast"):

@@ -98,6 +98,25 @@ def test_keeps_exactly_the_prompts_whose_rewards_differ(tmp_path, tiny_model_dir
     assert f"kept prompts: {out} (2 records)" in printed
 
 
+@pytest.mark.slow  # the real model (fetched once per checkout)
+def test_the_real_model_preset_keeps_exactly_the_prompts_whose_rewards_differ(tmp_path, smollm2_dir):
+    # conf=smollm2_arithmetic: SmolLM2-135M-Instruct, its chat template and system prompt, G = 8
+    # completions of up to 20 tokens at temperature 1. Eight equal replies to a mixed prompt
+    # would drop it; the model's replies at this temperature vary (seeded: the same every run).
+    data = write_jsonl(tmp_path / "mixed.jsonl", ROWS)
+    out = tmp_path / "kept.jsonl"
+    result = run_script(
+        "grpo-filter", "conf=smollm2_arithmetic", f"model.name_or_path={smollm2_dir}", f"data.path={data}",
+        f"+out={out}", "reward.functions=[{_target_: test_filter.by_difficulty, weight: 1.0}]",
+        f"hydra.run.dir={tmp_path / 'run'}", cwd=tmp_path, env={"PYTHONPATH": TESTS_DIR},
+    )
+    assert read_jsonl(out) == [ROWS[2], ROWS[4]]
+    summary = json.loads((tmp_path / "kept.summary.json").read_text())
+    assert [prompt["verdict"] for prompt in summary["prompts"]] == VERDICTS
+    assert all(len(prompt["rewards"]) == 8 for prompt in summary["prompts"])
+    assert "filter: 4/6 prompts" in result.stdout and "kept: 2 prompts (33.3%)" in result.stdout
+
+
 def filter_in_process(tmp_path: Path, tiny_model_dir: Path, data: Path, out: Path, *overrides: str):
     with initialize_config_dir(config_dir=config_dir(), version_base="1.3"):
         cfg = compose(config_name="config", overrides=[

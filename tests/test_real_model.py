@@ -14,7 +14,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from grpo_cli.models import load_models
 from grpo_cli.prompts import PromptSource
 from grpo_cli.sampling import make_sampler
-from helpers import ALTERNATING_REWARD, TESTS_DIR, config, grpo_train, one_step, run_script
+from helpers import (ALTERNATING_REWARD, TESTS_DIR, config, grpo_train, homogeneity_p_value, multinomial_draw,
+                     one_step, run_script, token_counts)
 
 QUESTIONS = ["What is 2 + 3?", "What is 7 + 5?", "What is 14 + 23?", "What is 9 + 9?"]
 SYSTEM = "You are a calculator. Reply with the number only."
@@ -66,6 +67,48 @@ def test_greedy_completions_of_both_samplers_are_identical_and_end_at_im_end(rea
         outputs[backend] = make_sampler(sampler_cfg, models.tokenizer).greedy(models.policy, batch)
     assert outputs["fast"] == outputs["hf"]
     assert outputs["fast"][0] == "2 + 3 = 5", outputs  # measured; then <|im_end|>, not shown
+
+
+def test_both_samplers_draw_from_the_same_distribution(smollm2_dir, tmp_path):
+    # An open question, so that the first two tokens are spread over many words (measured: 51
+    # and 166 different ones in 300 draws). 300 draws each: the hf sampler runs the prompt once
+    # per completion (generate has no shared prompt pass), 25 s here. Power at that size: the
+    # sampler at temperature 0.7 gets p = 7e-16 on the first token.
+    prompt = tmp_path / "open.jsonl"
+    prompt.write_text(json.dumps({"question": "Name an animal and say why you like it."}) + "\n")
+    overrides = (f"data.path={prompt}", "data.prompt_field=question", "data.system_prompt='Be brief.'",
+                 "data.use_chat_template=auto", "model.dtype=float32")
+    samples = 300
+    hf = token_counts(smollm2_dir, "hf", 1.0, samples, 1, *overrides)
+    fast = token_counts(smollm2_dir, "fast", 1.0, samples, 2, *overrides)  # independent draws
+    assert len(hf[0]) > 5 and len(hf[1]) > 5, hf  # spread out: the test has something to test
+    for position in (0, 1):
+        assert homogeneity_p_value(hf[position], fast[position]) > 1e-3, (position, hf, fast)
+    # The test can fail: the same sampler at temperature 0.7 is told apart.
+    colder = token_counts(smollm2_dir, "fast", 0.7, samples, 3, *overrides)
+    assert homogeneity_p_value(hf[0], colder[0]) < 1e-6, (hf, colder)
+
+
+def test_with_generates_draw_the_fast_sampler_draws_the_very_same_tokens(real, monkeypatch):
+    # As on the tiny model (test_fast_sampler.py): the distribution at every position of every
+    # completion is generate's, through the chat template, the warpers and <|im_end|>.
+    import grpo_cli.sampling.fast as fast
+
+    cfg, models = real
+    batch = PromptSource(cfg.data, models.tokenizer).next_batch()
+    rollouts = {}
+    for backend in ("hf", "fast"):
+        if backend == "fast":
+            monkeypatch.setattr(fast, "draw", multinomial_draw)
+        sampler_cfg = cfg.sampler.copy()
+        sampler_cfg.backend, sampler_cfg.group_size, sampler_cfg.max_new_tokens = backend, 4, 10
+        sampler_cfg.temperature, sampler_cfg.top_k, sampler_cfg.top_p = 1.2, 50, 0.95
+        torch.manual_seed(0)
+        rollouts[backend] = make_sampler(sampler_cfg, models.tokenizer).sample(models.policy, batch)
+    assert rollouts["fast"].completions == rollouts["hf"].completions
+    assert torch.equal(rollouts["fast"].completion_ids, rollouts["hf"].completion_ids)
+    assert torch.equal(rollouts["fast"].completion_mask, rollouts["hf"].completion_mask)
+    assert len(set(rollouts["hf"].completions)) > 8 and (~rollouts["hf"].truncated).any(), rollouts["hf"].completions
 
 
 def test_what_follows_im_end_is_masked_though_it_is_also_the_pad_token(smollm2_dir, questions):

@@ -16,6 +16,7 @@ at a time; `format_plan` prints the table. docs/MEMORY.md explains every row.
 from __future__ import annotations
 
 import copy
+import os
 from dataclasses import dataclass, field
 from typing import Any, Optional, Sequence
 
@@ -145,8 +146,12 @@ def plan_memory(cfg: Any, prompt_tokens: Optional[int] = None, device: Optional[
         reference = reference_amount(arch, act, micro, prompt_tokens, new)
         rows.append(Row("reference pass", reference.bytes, reference.note, "reference pass",
                         on_device=reference_here or trainer.num_iterations > 1))
+    # update.update_policy's shared prompt pass: micro-batches of whole groups, one process, and a
+    # model that keeps its cache in a forward with gradients (checkpointing drops it)
+    shares_prompt_pass = (trainer.share_prompt_pass and micro % group == 0 and not model.gradient_checkpointing
+                          and int(os.environ.get("WORLD_SIZE", "1")) == 1)
     kept, backward = update_amounts(arch, act, micro, prompt_tokens, new, not lora, adapted, model.lora.r,
-                                    bool(model.gradient_checkpointing))
+                                    bool(model.gradient_checkpointing), group if shares_prompt_pass else 1)
     rows += [gradients, _row("update activations", kept, "update"), _row("update backward", backward, "update")]
     if _has_eval(cfg.data):  # greedy, EVAL_BATCH prompts per generate (pass@k samples no more than a step)
         prompts = min(cfg.data.eval_size, EVAL_BATCH)
