@@ -53,7 +53,7 @@ def test_all_groups_zero_std_for_ten_steps():
 def test_truncated_fraction_above_half():
     assert kinds(rows(3, completion__truncated_fraction=[0.9, 0.9, 0.5])) == []  # the last step counts; 50% is not above
     warnings = health_warnings(rows(3, completion__truncated_fraction=[0.0, 0.0, 0.75]))
-    assert warnings == [("truncated", "75% of completions hit max_new_tokens without ending: max_new_tokens too small")]
+    assert warnings == [("truncated", "75% of completions hit max_new_tokens without ending: max_new_tokens too small, or the replies ramble")]
 
 
 def test_kl_rising_for_twenty_steps():

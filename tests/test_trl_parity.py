@@ -44,11 +44,12 @@ NEW_TOKENS = 4
 # On SmolLM2 (30 layers, 135M weights) float32 rounding grows with depth: against the same step in
 # float64 (ours, 19.6267076), TRL's float32 gradient norm is 2.4e-5 off (19.6262283), ours 2.0e-5
 # on the other side with the shared prompt pass (19.6270962) and 1.7e-6 without it (19.6262608);
-# the two float64 runs, shared pass or not, agree to 1e-7. So 4.4e-5 apart is rounding, and 1e-4
-# is the bound there. What a real difference does on that model: the temperature 1% higher moves
-# the norm by 1.1e-2 (110x); an aggregation by far more; beta 1% higher by only 5e-6, but the
-# loss by 1.4e-5 (5x its bound), so the loss catches it.
-RTOL = {"tiny": 5e-6, "smollm2": 1e-4}
+# the two float64 runs, shared pass or not, agree to 1e-7. So 4.4e-5 apart is rounding; the bound
+# is 2e-4, room for another CPU's kernels to round the other way. What a real difference does on
+# that model: the temperature 1% higher moves the norm by 1.1e-2 (55x the bound); an aggregation
+# by far more; beta 1% higher by only 5e-6, but the loss by 1.4e-5 (5x its bound), so the loss
+# catches it.
+RTOL = {"tiny": 5e-6, "smollm2": 2e-4}
 # The loss is held to an absolute one. It is sum_t w_t * (-A_t * ratio_t + beta * KL_t) over the
 # step's completion tokens, with weights w >= 0 that sum to at most 1 (1 / (sequences * length),
 # 1 / tokens, 1 / (sequences * max_new_tokens)). In a first update ratio = exp(logp - logp.detach())
