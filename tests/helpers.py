@@ -6,6 +6,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any, NamedTuple
 
 SCRIPTS_DIR = Path(sys.executable).parent
 GRPO_TRAIN = str(SCRIPTS_DIR / "grpo-train")
@@ -96,11 +97,21 @@ def config(tiny_model_dir, *overrides: str):
     return cfg
 
 
-def one_step(cfg, edit_rollout=None):
+class OneStep(NamedTuple):
+    """What one_step did: the models after it, what it trained on, and how many trainable
+    parameter tensors the update changed, of how many."""
+
+    models: Any  # grpo_cli.models.Models
+    rollout: Any  # grpo_cli.records.Rollout
+    stats: Any  # grpo_cli.update.UpdateStats
+    changed: int
+    parameters: int
+
+
+def one_step(cfg, edit_rollout=None) -> OneStep:
     """Sample, reward by hand (alternating 1/0 so every group has signal), update once.
 
     `edit_rollout(rollout)` may change the rollout before the update (e.g. its truncated flags).
-    Returns (models, rollout, stats, parameters changed, parameters in total).
     """
     import torch
 
@@ -129,7 +140,7 @@ def one_step(cfg, edit_rollout=None):
     stats = update_policy(models, rollout, advantages, optimizer, scheduler, cfg.trainer,
                           cfg.optimizer.max_grad_norm, beta=beta_at(betas, 0))
     changed = sum(not torch.equal(b, p) for b, p in zip(before, parameters))
-    return models, rollout, stats, changed, len(parameters)
+    return OneStep(models, rollout, stats, changed, len(parameters))
 
 
 def token_counts(model_dir, backend: str, temperature: float, samples: int, seed: int, *overrides: str):

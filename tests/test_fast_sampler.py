@@ -12,7 +12,7 @@ import torch
 
 from grpo_cli.models import load_models
 from grpo_cli.prompts import PromptSource
-from grpo_cli.sampling import make_sampler
+from grpo_cli.sampling import Sampler, make_sampler
 from grpo_cli.sampling.fast import (FastSampler, PackedLinears, draw, next_token_scores, packed_gemm_available,
                                     runs_layer_by_layer, single_query_attention)
 from grpo_cli.sampling.hf import HFSampler
@@ -160,9 +160,11 @@ def test_sampling_with_packed_weights_draws_from_the_same_distribution(tiny_mode
     assert not products
 
 
-def test_make_sampler_picks_the_backend(tiny_model_dir):
+def test_make_sampler_picks_the_backend_and_both_are_samplers(tiny_model_dir):
     assert isinstance(setup(tiny_model_dir, "fast")[2], FastSampler)
     assert isinstance(setup(tiny_model_dir, "hf")[2], HFSampler)
+    assert all(isinstance(setup(tiny_model_dir, backend)[2], Sampler) for backend in ("fast", "hf"))
+    assert not isinstance(object(), Sampler)  # the protocol's methods are checked
 
 
 @pytest.mark.parametrize("attention", ["sdpa", "eager"])

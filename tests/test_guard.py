@@ -96,8 +96,8 @@ def test_a_nan_step_never_reaches_the_weights(tiny_model_dir, monkeypatch):
         return loss * math.nan, metrics
 
     monkeypatch.setattr(update_module, "grpo_loss", nan_loss)
-    _, _, stats, changed, _ = one_step(config(tiny_model_dir, "trainer.beta=0"))
-    assert stats.skipped_steps == 1 and changed == 0 and not math.isfinite(stats.grad_norm)
+    step = one_step(config(tiny_model_dir, "trainer.beta=0"))
+    assert step.stats.skipped_steps == 1 and step.changed == 0 and not math.isfinite(step.stats.grad_norm)
 
 
 def test_resume_restores_the_guard_state_exactly(tmp_path, tiny_model_dir):

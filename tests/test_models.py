@@ -18,8 +18,8 @@ def test_full_fine_tune_trains_every_weight_against_a_frozen_copy(tiny_model_dir
 
 
 def test_beta_zero_loads_no_reference(tiny_model_dir):
-    models, _, stats, _, _ = one_step(config(tiny_model_dir, "trainer.beta=0"))
-    assert models.reference is None and stats.kl == 0.0
+    step = one_step(config(tiny_model_dir, "trainer.beta=0"))
+    assert step.models.reference is None and step.stats.kl == 0.0
 
 
 @pytest.mark.parametrize("checkpointing", [False, True])

@@ -132,12 +132,12 @@ def test_what_follows_im_end_is_masked_though_it_is_also_the_pad_token(smollm2_d
         seen["lengths"] = rollout.completion_mask.sum(dim=1)
         rollout.completion_ids[after] = 1000 + positions.expand_as(after)[after]
 
-    models, _, plain, _, _ = one_step(cfg)
-    plain_weights = [p.detach().clone() for p in models.policy.parameters()]
-    models, rollout, scrambled, changed, _ = one_step(cfg, scramble_after_the_end)
-    assert changed > 0
-    assert (plain.loss, plain.kl) == (scrambled.loss, scrambled.kl)
-    assert all(torch.equal(a, b) for a, b in zip(plain_weights, models.policy.parameters()))
+    plain = one_step(cfg)
+    plain_weights = [p.detach().clone() for p in plain.models.policy.parameters()]
+    scrambled = one_step(cfg, scramble_after_the_end)
+    assert scrambled.changed > 0
+    assert (plain.stats.loss, plain.stats.kl) == (scrambled.stats.loss, scrambled.stats.kl)
+    assert all(torch.equal(a, b) for a, b in zip(plain_weights, scrambled.models.policy.parameters()))
 
 
 @pytest.mark.parametrize("mode", ["full", "lora", "qlora"])

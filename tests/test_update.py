@@ -14,15 +14,15 @@ from helpers import config, one_step
 
 def test_single_pass_is_on_policy_and_never_clips(tiny_model_dir):
     # mu = 1: the old policy is the current one, rho = exp(logp - logp.detach()) = 1 exactly.
-    _, _, stats, _, _ = one_step(config(tiny_model_dir, "trainer.num_iterations=1"))
+    stats = one_step(config(tiny_model_dir, "trainer.num_iterations=1")).stats
     assert stats.ratio_deviation_by_pass == [0.0] and stats.clip_fraction_by_pass == [0.0]
 
 
 def test_gradients_are_freed_after_the_optimizer_step(tiny_model_dir):
     # Kept until the next update, a full fine-tune's gradients (one more copy of the weights)
     # would sit through the next step's sampling; memory.py plans them in the update phase.
-    models, _, _, changed, _ = one_step(config(tiny_model_dir, "trainer.num_iterations=2"))
-    assert changed > 0 and all(parameter.grad is None for parameter in models.policy.parameters())
+    step = one_step(config(tiny_model_dir, "trainer.num_iterations=2"))
+    assert step.changed > 0 and all(parameter.grad is None for parameter in step.models.policy.parameters())
 
 
 def test_bfloat16_autocast_trains_float32_weights_with_bfloat16_forwards(tiny_model_dir):
@@ -47,11 +47,12 @@ def test_second_pass_sees_real_ratios_and_the_clip_bites(tiny_model_dir):
     # a large step (lr 5e-2) then moves the policy, and with clip_eps 0.05 pass 2 must clip.
     cfg = config(tiny_model_dir, "trainer.num_iterations=2", "trainer.clip_eps=0.05",
                  "trainer.beta=0", "optimizer.lr=5e-2", "sampler.max_new_tokens=8")
-    _, _, stats, changed, _ = one_step(cfg)
+    step = one_step(cfg)
+    stats = step.stats
     first, second = stats.ratio_deviation_by_pass
     assert first < 1e-4 and stats.clip_fraction_by_pass[0] == 0.0
     assert second > 0.05 and stats.clip_fraction_by_pass[1] > 0.0
-    assert stats.clip_fraction > 0 and changed > 0
+    assert stats.clip_fraction > 0 and step.changed > 0
 
 
 @pytest.mark.parametrize("disable_dropout", [True, False])
@@ -100,10 +101,10 @@ def test_mask_truncated_leaves_truncated_completions_out_of_the_loss(tiny_model_
     edit = end_completions_after(tiny_model_dir, [4, 4, 4, 4, 4, 1, 4, 2])
     kept = one_step(config(tiny_model_dir, "trainer.mask_truncated=false"), edit)
     masked = one_step(config(tiny_model_dir, "trainer.mask_truncated=true"), edit)
-    rollout = masked[1]
+    rollout = masked.rollout
     assert rollout.truncated.tolist() == [True] * 5 + [False, True, False]
-    assert kept[2].tokens == int(rollout.completion_mask.sum()) == 29
-    assert masked[2].tokens == int(rollout.completion_mask[~rollout.truncated].sum()) == 5
+    assert kept.stats.tokens == int(rollout.completion_mask.sum()) == 29
+    assert masked.stats.tokens == int(rollout.completion_mask[~rollout.truncated].sum()) == 5
 
 
 def test_when_every_completion_is_truncated_and_masked_nothing_is_learned(tiny_model_dir):
@@ -111,9 +112,10 @@ def test_when_every_completion_is_truncated_and_masked_nothing_is_learned(tiny_m
         rollout.truncated[:] = True
 
     cfg = config(tiny_model_dir, "trainer.mask_truncated=true", "trainer.beta=0")
-    _, _, stats, changed, _ = one_step(cfg, truncate_all)
+    step = one_step(cfg, truncate_all)
+    stats = step.stats
     # No optimizer step at all (AdamW would still apply weight decay and momentum): skipped.
-    assert stats.tokens == 0 and stats.skipped_steps == 1 and changed == 0
+    assert stats.tokens == 0 and stats.skipped_steps == 1 and step.changed == 0
     assert stats.entropy is None and stats.clip_fraction is None  # nothing measured, not "0"
 
 
@@ -131,8 +133,8 @@ def test_every_kl_estimator_trains_and_reports_kl(tiny_model_dir, estimator):
 
 def test_a_beta_schedule_that_starts_at_zero_still_loads_the_reference(tiny_model_dir):
     cfg = config(tiny_model_dir, "trainer.beta={start: 0.0, end: 0.05, warmup_steps: 10}")
-    models, _, stats, _, _ = one_step(cfg)
-    assert models.uses_kl and stats.kl == 0.0  # beta 0 at step 0, policy == reference on pass 1
+    step = one_step(cfg)
+    assert step.models.uses_kl and step.stats.kl == 0.0  # beta 0 at step 0, policy == reference on pass 1
 
 
 def encoder_batches(model) -> tuple[list[int], object]:
@@ -206,7 +208,7 @@ def test_an_update_with_the_shared_prompt_pass_equals_one_without(tiny_model_dir
     for shared in (True, False):
         cfg = config(tiny_model_dir, f"trainer.share_prompt_pass={shared}", "trainer.beta=0.04",
                      "trainer.micro_batch_size=4")
-        stats[shared] = one_step(cfg)[2]
+        stats[shared] = one_step(cfg).stats
     assert stats[True].loss == pytest.approx(stats[False].loss, rel=1e-4, abs=1e-6)
     assert stats[True].grad_norm == pytest.approx(stats[False].grad_norm, rel=1e-4)
     assert stats[True].kl == pytest.approx(stats[False].kl, rel=1e-3, abs=1e-7)
@@ -237,7 +239,8 @@ def test_micro_batches_of_different_widths_add_up_to_the_whole_step(tiny_model_d
     for micro in (0, 2):
         cfg = config(tiny_model_dir, f"trainer.micro_batch_size={micro}", "trainer.beta=0.04",
                      "sampler.max_new_tokens=8", "trainer.share_prompt_pass=false")
-        _, rollout, stats[micro], _, _ = one_step(cfg, edit)
+        step = one_step(cfg, edit)
+        rollout, stats[micro] = step.rollout, step.stats
     assert [int(rows.sum(dim=1).max()) for rows in rollout.completion_mask.split(2)] == [3, 8, 5, 6]
     for key in ("loss", "kl", "entropy", "grad_norm"):
         assert getattr(stats[2], key) == pytest.approx(getattr(stats[0], key), rel=1e-4, abs=1e-6), key

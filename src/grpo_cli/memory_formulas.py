@@ -107,22 +107,22 @@ def layer_saved_bytes(arch: Architecture, act: int, sequence: int, full: bool,
 
 def update_amounts(arch: Architecture, act: int, count: int, prompt: int, new: int, full: bool,
                    adapted: Sequence[Linear], rank: int, checkpointing: bool,
-                   shared_group: int = 1) -> tuple[Amount, Amount]:
+                   prompt_pass_group: int = 1) -> tuple[Amount, Amount]:
     """One micro-batch of `count` completions: what its forward keeps for the backward, and the
     backward's peak on top of that. The backward starts at the logits [N, T+1, V]
     (logits_to_keep), kept by the log-softmax, with their gradient and two float32 blocks; each
     layer's backward then adds two [N*L, i] gradients (float32-sized: measured), and with
     gradient checkpointing that layer's recomputed activations.
 
-    shared_group = G > 1: one prompt pass per group (update.completion_log_probs): the layers
+    prompt_pass_group = G > 1: one prompt pass per group (update.completion_log_probs): the layers
     keep N/G x P prompt tokens and N x T completion tokens, and each completion's attention keeps
     the prompt's keys and values repeated to all heads (N x P positions). With long prompts this
     is half of the unshared count or less (SmolLM2, P = 109, T = 64, G = 8: 2.0 GB, not 4.0)."""
     sequence = prompt + new
     tokens = count * sequence
     per_layer = layer_saved_bytes(arch, act, sequence, full, adapted, rank) * tokens
-    if shared_group > 1:
-        prompt_rows, width = count // shared_group, arch.num_heads * arch.head_dim
+    if prompt_pass_group > 1:
+        prompt_rows, width = count // prompt_pass_group, arch.num_heads * arch.head_dim
         tokens = prompt_rows * prompt + count * new
         per_layer = (layer_saved_bytes(arch, act, prompt, full, adapted, rank) * prompt_rows * prompt
                      + layer_saved_bytes(arch, act, sequence, full, adapted, rank) * count * new
@@ -138,8 +138,8 @@ def update_amounts(arch: Architecture, act: int, count: int, prompt: int, new: i
                       f"{arch.num_layers} layer inputs x {count} x {sequence} tokens (checkpointing)")
         layer_backward += per_layer
     else:
-        shape = (f"{count // shared_group} x {prompt} prompt + {count} x {new} completion tokens (prompt pass "
-                 "shared by each group)" if shared_group > 1 else f"{count} x {sequence} tokens")
+        shape = (f"{count // prompt_pass_group} x {prompt} prompt + {count} x {new} completion tokens (prompt pass "
+                 "shared by each group)" if prompt_pass_group > 1 else f"{count} x {sequence} tokens")
         kept = Amount(arch.num_layers * per_layer + final,
                       f"{arch.num_layers} layers x {per_layer // tokens:,} B x {shape}")
     if logits >= layer_backward:

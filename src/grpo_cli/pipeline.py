@@ -40,7 +40,7 @@ from grpo_cli.records import Advantages, Rewards, Rollout, UpdateStats
 from grpo_cli.rewards.api import RewardScorer
 from grpo_cli.run_lock import hold_run_folder
 from grpo_cli.run_summary import summarize_run
-from grpo_cli.sampling import make_sampler
+from grpo_cli.sampling import Sampler, make_sampler
 from grpo_cli.stopping import StopRequests
 from grpo_cli.update import update_policy
 from grpo_cli.validation import validate
@@ -60,7 +60,7 @@ class RunParts:
 
     cfg: Any
     models: Models
-    sampler: Any
+    sampler: Sampler
     scorer: RewardScorer
     prompts: PromptSource
     optimizer: torch.optim.Optimizer

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+from dataclasses import dataclass, field
 from typing import NamedTuple
 
 import torch
@@ -155,6 +156,70 @@ def micro_batch(rows: slice, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor
                       mask[rows, :width], loss_mask[rows, :width], advantages[rows])
 
 
+@dataclass
+class StepTotals:
+    """What the micro-batches of every pass add up, this rank's share until `over_ranks`."""
+
+    loss: float = 0.0  # the step's loss, summed over passes
+    kl_sum: float = 0.0  # over loss tokens, all passes
+    clipped_high: float = 0.0  # loss tokens clipped at 1 + clip_eps_high, all passes
+    clipped_low: float = 0.0  # ... at 1 - clip_eps
+    tokens: float = 0.0  # loss tokens, all passes
+    entropy_sum: float = 0.0  # first pass, over every completion token (truncated or not)
+    entropy_tokens: float = 0.0
+    clipped_by_pass: list[float] = field(default_factory=list)  # [passes]
+    tokens_by_pass: list[float] = field(default_factory=list)  # [passes]
+    deviation_by_pass: list[float] = field(default_factory=list)  # [passes] max |ratio - 1|
+
+    SUMMED = ("loss", "kl_sum", "clipped_high", "clipped_low", "tokens", "entropy_sum", "entropy_tokens")
+
+    def add(self, loss: float, metrics: dict, entropy_sum: float | None, entropy_tokens: float) -> None:
+        """One micro-batch of the current pass (the last one started with `start_pass`)."""
+        self.loss += loss
+        if entropy_sum is not None:
+            self.entropy_sum += entropy_sum
+            self.entropy_tokens += entropy_tokens
+        for key in ("kl_sum", "clipped_high", "clipped_low", "tokens"):
+            setattr(self, key, getattr(self, key) + float(metrics[key]))
+        self.clipped_by_pass[-1] += float(metrics["clipped_high"] + metrics["clipped_low"])
+        self.tokens_by_pass[-1] += float(metrics["tokens"])
+        self.deviation_by_pass[-1] = max(self.deviation_by_pass[-1], float(metrics["ratio_max_deviation"]))
+
+    def start_pass(self) -> None:
+        self.clipped_by_pass.append(0.0)
+        self.tokens_by_pass.append(0.0)
+        self.deviation_by_pass.append(0.0)
+
+    def over_ranks(self, place: Distributed) -> "StepTotals":
+        """The whole step's totals: sums (the deviation: the max) over torchrun ranks, in one
+        all-reduce; the identity in one process."""
+        passes = len(self.clipped_by_pass)
+        summed = sum_over_ranks([getattr(self, name) for name in self.SUMMED]
+                                + self.clipped_by_pass + self.tokens_by_pass, place)
+        per_pass = summed[len(self.SUMMED):]
+        return StepTotals(**dict(zip(self.SUMMED, summed)), clipped_by_pass=per_pass[:passes],
+                          tokens_by_pass=per_pass[passes:],
+                          deviation_by_pass=max_over_ranks(self.deviation_by_pass, place))
+
+    def stats(self, grad_norm: float, loss_tokens: int, skipped: int) -> UpdateStats:
+        passes = max(len(self.clipped_by_pass), 1)
+        tokens = max(self.tokens, 1.0)
+        return UpdateStats(
+            loss=self.loss / passes,
+            kl=self.kl_sum / tokens,
+            clip_fraction=(self.clipped_high + self.clipped_low) / tokens,
+            clip_high_fraction=self.clipped_high / tokens,
+            clip_low_fraction=self.clipped_low / tokens,
+            clip_fraction_by_pass=[clipped / max(count, 1.0)
+                                   for clipped, count in zip(self.clipped_by_pass, self.tokens_by_pass)],
+            ratio_deviation_by_pass=self.deviation_by_pass,
+            entropy=self.entropy_sum / max(self.entropy_tokens, 1.0),
+            grad_norm=grad_norm,
+            tokens=loss_tokens,
+            skipped_steps=skipped,
+        )
+
+
 def update_policy(
     models: Models,
     rollout: Rollout,
@@ -170,15 +235,9 @@ def update_policy(
     coefficient in force this step."""
     device, policy = models.device, models.policy
     trained = models.trained or policy  # the DDP wrapper when there is one: it syncs gradients
-    prompt_ids, prompt_mask = rollout.prompt_ids.to(device), rollout.prompt_mask.to(device)
-    completion_ids, mask = rollout.completion_ids.to(device), rollout.completion_mask.to(device)
-    loss_mask = mask
-    if trainer.mask_truncated:  # DAPO's overlong filter: no credit or blame for a cut-off answer
-        loss_mask = mask * (~rollout.truncated).to(device).unsqueeze(1).to(mask.dtype)
-    advantage_values = advantages.values.to(device)
-    count = completion_ids.shape[0]
-    size = trainer.micro_batch_size or count
-    chunks = [slice(start, start + size) for start in range(0, count, size)]
+    batches, step_size = micro_batches(rollout, advantages, trainer, device, place)
+    if step_size.tokens == 0:  # every completion left out (mask_truncated): nothing to learn from
+        return UpdateStats.nothing_trained(trainer.num_iterations)
     settings = LossSettings(
         clip_eps=trainer.clip_eps,
         clip_eps_high=trainer.clip_eps if trainer.clip_eps_high is None else trainer.clip_eps_high,
@@ -187,33 +246,23 @@ def update_policy(
         aggregation=trainer.loss_aggregation,
         kl_importance_correction=trainer.kl_importance_correction,
     )
-    # The sampler pads every completion to max_new_tokens, so T is Dr. GRPO's constant. The counts
-    # are the whole step's, over all ranks: each rank's loss is then its share of the step's loss.
-    sequences, tokens = sum_over_ranks([count, float(loss_mask.sum())], place)
-    step_size = StepSize(sequences=int(sequences), tokens=int(tokens), max_new_tokens=completion_ids.shape[1])
     rank_scale = place.world_size  # DDP / FSDP average the ranks' gradients; the shares must add up
-
-    if step_size.tokens == 0:  # every completion left out (mask_truncated): nothing to learn from
-        return UpdateStats.nothing_trained(trainer.num_iterations)
-
     # One prompt pass per group where every micro-batch holds whole groups. Not under torchrun:
     # DDP and FSDP expect one forward per backward.
-    whole_groups = size % rollout.group_size == 0
-    shared_group = rollout.group_size if trainer.share_prompt_pass and whole_groups and not place.enabled else 1
-    batches = [micro_batch(chunk, prompt_ids, prompt_mask, completion_ids, mask, loss_mask, advantage_values)
-               for chunk in chunks]
+    whole_groups = (trainer.micro_batch_size or rollout.completion_ids.shape[0]) % rollout.group_size == 0
+    prompt_pass_group = rollout.group_size if trainer.share_prompt_pass and whole_groups and not place.enabled else 1
 
     def log_probs_of(model, batch: MicroBatch, with_entropy=False):  # the policy, its DDP wrapper, or the reference
         here = next(model.parameters()).device  # a full fine-tune's reference may sit on the CPU
         with models.autocast():  # the forward only: the backward runs in the dtypes it chose
             log_probs, entropy = completion_log_probs(
                 model, batch.prompt_ids.to(here), batch.prompt_mask.to(here), batch.completion_ids.to(here),
-                batch.mask.to(here), rollout.temperature, with_entropy, shared_group,
+                batch.mask.to(here), rollout.temperature, with_entropy, prompt_pass_group,
             )
         return log_probs.to(device), entropy
 
     policy.train()
-    with torch.no_grad():
+    with torch.no_grad():  # the frozen passes: reference log-probs, and the old policy's for mu > 1
         reference = [None] * len(batches)
         if models.uses_kl:
             with reference_model(models) as ref:
@@ -221,12 +270,10 @@ def update_policy(
         old = [log_probs_of(policy, batch)[0] for batch in batches] if trainer.num_iterations > 1 else None
 
     parameters = trainable_parameters(policy)
-    totals = {"loss": 0.0, "kl_sum": 0.0, "clipped_high": 0.0, "clipped_low": 0.0, "tokens": 0.0}
-    entropy_sum, grad_norm, skipped = 0.0, 0.0, 0
-    clipped_by_pass, tokens_by_pass, deviation_by_pass = [], [], []
-    for iteration in range(trainer.num_iterations):
+    totals, grad_norm, skipped = StepTotals(), 0.0, 0
+    for iteration in range(trainer.num_iterations):  # the paper's mu passes over the same rollout
         optimizer.zero_grad(set_to_none=True)  # nothing to free after a finished pass; a cut-off one
-        pass_clipped, pass_tokens, pass_deviation = 0.0, 0.0, 0.0
+        totals.start_pass()
         for index, batch in enumerate(batches):
             last_batch = index == len(batches) - 1
             # DDP: gradients are exchanged once per pass, after the last micro-batch.
@@ -239,17 +286,8 @@ def update_policy(
                     settings, step_size,
                 )
                 (loss * rank_scale).backward()
-            totals["loss"] += loss.item()
-            if entropy is not None:  # over every completion token, truncated or not
-                entropy_sum += (entropy * batch.mask).sum().item()
-            for key in totals.keys() - {"loss"}:
-                totals[key] += float(metrics[key])
-            pass_clipped += float(metrics["clipped_high"] + metrics["clipped_low"])
-            pass_tokens += float(metrics["tokens"])
-            pass_deviation = max(pass_deviation, float(metrics["ratio_max_deviation"]))
-        clipped_by_pass.append(pass_clipped)
-        tokens_by_pass.append(pass_tokens)
-        deviation_by_pass.append(pass_deviation)
+            entropy_sum = (entropy * batch.mask).sum().item() if entropy is not None else None
+            totals.add(loss.item(), metrics, entropy_sum, float(batch.mask.sum()))
         norm = torch.nn.utils.clip_grad_norm_(parameters, max_grad_norm or math.inf)
         grad_norm = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)  # FSDP: a DTensor
         if math.isfinite(grad_norm):
@@ -260,29 +298,25 @@ def update_policy(
         # Free the gradients now rather than at the next update: kept, they would sit through
         # the next step's sampling, the peak of many runs (memory.py plans them in the update).
         optimizer.zero_grad(set_to_none=True)
+    return totals.over_ranks(place).stats(grad_norm, step_size.tokens, skipped)
 
-    passes = trainer.num_iterations
-    # The whole step's numbers: sums over ranks (identity in one process).
-    names = sorted(totals)
-    summed = sum_over_ranks([totals[name] for name in names] + [entropy_sum, float(mask.sum())]
-                            + clipped_by_pass + tokens_by_pass, place)
-    totals = dict(zip(names, summed))
-    entropy_sum, entropy_tokens = summed[len(names)], summed[len(names) + 1]
-    clipped_by_pass = summed[len(names) + 2 : len(names) + 2 + passes]
-    tokens_by_pass = summed[len(names) + 2 + passes :]
-    clip_by_pass = [clipped / max(count, 1.0) for clipped, count in zip(clipped_by_pass, tokens_by_pass)]
-    deviation_by_pass = max_over_ranks(deviation_by_pass, place)
-    tokens = max(totals["tokens"], 1.0)
-    return UpdateStats(
-        loss=totals["loss"] / passes,
-        kl=totals["kl_sum"] / tokens,
-        clip_fraction=(totals["clipped_high"] + totals["clipped_low"]) / tokens,
-        clip_high_fraction=totals["clipped_high"] / tokens,
-        clip_low_fraction=totals["clipped_low"] / tokens,
-        clip_fraction_by_pass=clip_by_pass,
-        ratio_deviation_by_pass=deviation_by_pass,
-        entropy=entropy_sum / max(entropy_tokens, 1.0),
-        grad_norm=grad_norm,
-        tokens=step_size.tokens,
-        skipped_steps=skipped,
-    )
+
+def micro_batches(rollout: Rollout, advantages: Advantages, trainer: TrainerConfig, device: torch.device,
+                  place: Distributed) -> tuple[list[MicroBatch], StepSize]:
+    """The rollout cut into micro-batches of trainer.micro_batch_size rows (all at once for 0) on
+    `device`, with the loss mask (less truncated completions under trainer.mask_truncated), and
+    the loss denominators of the whole step, over all ranks: each rank's loss is then its share
+    of the step's loss."""
+    prompt_ids, prompt_mask = rollout.prompt_ids.to(device), rollout.prompt_mask.to(device)
+    completion_ids, mask = rollout.completion_ids.to(device), rollout.completion_mask.to(device)
+    loss_mask = mask
+    if trainer.mask_truncated:  # DAPO's overlong filter: no credit or blame for a cut-off answer
+        loss_mask = mask * (~rollout.truncated).to(device).unsqueeze(1).to(mask.dtype)
+    advantage_values = advantages.values.to(device)
+    count = completion_ids.shape[0]
+    size = trainer.micro_batch_size or count
+    batches = [micro_batch(slice(start, start + size), prompt_ids, prompt_mask, completion_ids, mask, loss_mask,
+                           advantage_values) for start in range(0, count, size)]
+    # The sampler pads every completion to max_new_tokens, so T is Dr. GRPO's constant.
+    sequences, tokens = sum_over_ranks([count, float(loss_mask.sum())], place)
+    return batches, StepSize(sequences=int(sequences), tokens=int(tokens), max_new_tokens=completion_ids.shape[1])

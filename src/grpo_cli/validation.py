@@ -47,18 +47,38 @@ def validate(cfg: Any, check_files: bool = True) -> None:
     composing presets whose data, models and loggers live on other machines, and by `grpo-train`
     before it imports torch and transformers).
     """
-    problems: list[str] = []
+    ranks = launched_world_size()  # torchrun's WORLD_SIZE: each rank trains on its share of the step
+    problems = (_choice_problems(cfg) + _batch_problems(cfg, ranks) + _number_problems(cfg)
+                + _model_problems(cfg, check_files) + _device_problems(cfg) + _run_problems(cfg, ranks))
+    if check_files and not problems:  # the rules first: they need no tokenizer, so they are said in a second
+        problems += _machine_problems(cfg)
+    if problems:
+        raise ConfigError(
+            "The config has problems, nothing was loaded:\n  - "
+            + "\n  - ".join(problems)
+            + "\nFix these keys on the command line (key=value) or in your preset."
+        )
 
-    def lower(value: Any) -> str:
-        return str(value).lower()
 
-    for choices, normalize in ((CHOICES, lower), (EXACT_CHOICES, str)):
+def _lower(value: Any) -> str:
+    return str(value).lower()
+
+
+def _choice_problems(cfg: Any) -> list[str]:
+    """Keys with a fixed set of values (CHOICES case-insensitively, EXACT_CHOICES as written)."""
+    problems = []
+    for choices, normalize in ((CHOICES, _lower), (EXACT_CHOICES, str)):
         for key, allowed in choices.items():
             group, name = key.split(".")
             if normalize(cfg[group][name]) not in allowed:
                 problems.append(f"{key}={cfg[group][name]!r} is not one of {', '.join(allowed)}.")
+    return problems
 
+
+def _batch_problems(cfg: Any, ranks: int) -> list[str]:
+    """The step's shape: groups, prompts per step, micro-batches, and how torchrun ranks share them."""
     sampler, trainer, data = cfg.sampler, cfg.trainer, cfg.data
+    problems = []
     if sampler.group_size < 2:
         problems.append(
             f"sampler.group_size={sampler.group_size}: GRPO normalizes rewards within a group, "
@@ -66,7 +86,6 @@ def validate(cfg: Any, check_files: bool = True) -> None:
         )
     if data.prompts_per_step < 1:
         problems.append(f"data.prompts_per_step={data.prompts_per_step} must be at least 1.")
-    ranks = launched_world_size()  # torchrun's WORLD_SIZE: each rank trains on its share of the step
     if trainer.distributed == "fsdp":
         # Sharded ranks gather weights together, so they must run the same forward passes.
         if trainer.filter_zero_std:
@@ -90,13 +109,19 @@ def validate(cfg: Any, check_files: bool = True) -> None:
             f"step{per_rank}, data.prompts_per_step x sampler.group_size{' / processes' if ranks > 1 else ''} "
             f"= {completions} (or be 0 for all at once)."
         )
+    return problems
+
+
+def _number_problems(cfg: Any) -> list[str]:
+    """Numbers out of their range: positive, non-negative, finite, below 1, probabilities."""
+    sampler, trainer, data = cfg.sampler, cfg.trainer, cfg.data
     positive = {
         "trainer.steps": trainer.steps,
         "trainer.num_iterations": trainer.num_iterations,
         "sampler.max_new_tokens": sampler.max_new_tokens,
         "optimizer.lr": cfg.optimizer.lr,
     }
-    problems += [f"{key}={value} must be positive." for key, value in positive.items() if value <= 0]
+    problems = [f"{key}={value} must be positive." for key, value in positive.items() if value <= 0]
     if not sampler.temperature > 0:
         problems.append(
             f"sampler.temperature={sampler.temperature} must be positive: GRPO needs sampled groups "
@@ -137,78 +162,98 @@ def validate(cfg: Any, check_files: bool = True) -> None:
             f"sampler.min_new_tokens={sampler.min_new_tokens} exceeds sampler.max_new_tokens="
             f"{sampler.max_new_tokens}."
         )
-    if lower(cfg.model.quantization) != "none" and not cfg.model.lora.enabled:
+    return problems
+
+
+def _model_problems(cfg: Any, check_files: bool) -> list[str]:
+    """What can be trained how: quantization needs LoRA, float16 needs LoRA, flash-attn installed."""
+    model = cfg.model
+    problems = []
+    if _lower(model.quantization) != "none" and not model.lora.enabled:
         problems.append(
-            f"model.quantization={cfg.model.quantization} needs model.lora.enabled=true: quantized "
+            f"model.quantization={model.quantization} needs model.lora.enabled=true: quantized "
             "weights cannot be trained directly, only a LoRA adapter on top of them (QLoRA)."
         )
-    if cfg.model.lora.enabled and cfg.model.lora.r < 1:
-        problems.append(f"model.lora.r={cfg.model.lora.r} must be at least 1: it is the rank of the "
+    if model.lora.enabled and model.lora.r < 1:
+        problems.append(f"model.lora.r={model.lora.r} must be at least 1: it is the rank of the "
                         "adapter matrices (8 to 64 is usual).")
-    if lower(cfg.model.dtype) == "float16" and not cfg.model.lora.enabled:
+    if _lower(model.dtype) == "float16" and not model.lora.enabled:
         problems.append(
             "model.dtype=float16 with a full fine-tune (model.lora.enabled=false): the weights and "
             "AdamW's states would be float16 with no float32 master copy, so updates smaller than "
             "float16's resolution are lost. Use model.dtype=bfloat16 (or float32), or train a LoRA "
             "adapter (model.lora.enabled=true: its weights are float32)."
         )
-    if lower(cfg.model.attn_implementation) == "flash_attention_2" and check_files \
+    if _lower(model.attn_implementation) == "flash_attention_2" and check_files \
             and importlib.util.find_spec("flash_attn") is None:
         problems.append("model.attn_implementation=flash_attention_2 needs the flash-attn package (CUDA "
                         "only), which is not installed: `pip install flash-attn`, or use sdpa.")
-    device = lower(trainer.device)
+    return problems
+
+
+def _device_problems(cfg: Any) -> list[str]:
+    problems = []
+    device = _lower(cfg.trainer.device)
     if not (device in ("auto", "cpu", "cuda") or device.startswith("cuda:")):
-        problems.append(f"trainer.device={trainer.device!r} is not one of auto, cpu, cuda, cuda:N.")
-    reference_device = lower(cfg.model.reference_device)
+        problems.append(f"trainer.device={cfg.trainer.device!r} is not one of auto, cpu, cuda, cuda:N.")
+    reference_device = _lower(cfg.model.reference_device)
     if not (reference_device in ("same", "cpu", "cuda") or reference_device.startswith("cuda:")):
         problems.append(f"model.reference_device={cfg.model.reference_device!r} is not one of same, cpu, cuda, cuda:N.")
+    return problems
 
+
+def _run_problems(cfg: Any, ranks: int) -> list[str]:
+    """Resume, reward functions, adaptive group size, samples and holdout."""
+    trainer, data = cfg.trainer, cfg.data
+    problems = []
     resume = trainer.resume
     if not isinstance(resume, (bool, str)) or resume == "":
         problems.append(f"trainer.resume={resume!r} must be false, true or a checkpoint folder.")
     problems += _reward_problems(cfg.reward.functions)
-    problems += _adaptive_problems(sampler, max(data.prompts_per_step // ranks, 1), trainer.micro_batch_size)
+    problems += _adaptive_problems(cfg.sampler, max(data.prompts_per_step // ranks, 1), trainer.micro_batch_size)
     if trainer.sample_prompts < 0 or trainer.sample_every < 0 or data.eval_holdout < 0:
         problems.append("trainer.sample_every, trainer.sample_prompts and data.eval_holdout must be >= 0.")
+    return problems
 
-    if check_files and not problems:  # the rules first: they need no tokenizer, so they are said in a second
-        import torch
 
-        from grpo_cli.models import local_tokenizer_and_context
-        from grpo_cli.prompts import data_problems
+def _machine_problems(cfg: Any) -> list[str]:
+    """What this machine must hold: the model's tokenizer and config, the data files, a usable
+    output folder, the loggers' packages, the CUDA devices named, the resume checkpoint."""
+    import torch
 
-        try:  # no weights, no download: the tokenizer and config.json of a model on this machine
-            model = local_tokenizer_and_context(cfg.model)
-        except ConfigError as error:
-            problems.append(str(error))
-            model = None
-        problems += data_problems(data, model, sampler.max_new_tokens)
-        problems += output_dir_problems(trainer.output_dir)
-        problems += _logger_problems(cfg.logger)  # installed packages: this machine, like the files
-        on_cuda = device.startswith("cuda") or (device == "auto" and torch.cuda.is_available())
-        if reference_device.startswith("cuda"):  # else models.resolve_device says it, blaming trainer.device
-            count = torch.cuda.device_count() if torch.cuda.is_available() else 0
-            index = reference_device.partition(":")[2]
-            if count == 0 or (index.isdigit() and int(index) >= count):
-                seen = (f"{count} CUDA device(s), numbered from 0" if count
-                        else f"no CUDA device (torch {torch.__version__})")
-                problems.append(f"model.reference_device={cfg.model.reference_device}, but torch sees {seen}. "
-                                "Use model.reference_device=same (the policy's device), cpu, or a CUDA "
-                                "device this machine has.")
-        if "paged" in str(cfg.optimizer._target_).lower() and not on_cuda:
-            problems.append(
-                f"optimizer._target_={cfg.optimizer._target_}: paged optimizers keep their states in CUDA "
-                "unified memory, and this run is on the CPU. Use optimizer=adamw_8bit (or adamw)."
-            )
-        if isinstance(resume, bool) or (isinstance(resume, str) and resume):
-            problems += resume_problems(cfg)
+    from grpo_cli.models import local_tokenizer_and_context
+    from grpo_cli.prompts import data_problems
 
-    if problems:
-        raise ConfigError(
-            "The config has problems, nothing was loaded:\n  - "
-            + "\n  - ".join(problems)
-            + "\nFix these keys on the command line (key=value) or in your preset."
+    trainer = cfg.trainer
+    problems = []
+    try:  # no weights, no download: the tokenizer and config.json of a model on this machine
+        model = local_tokenizer_and_context(cfg.model)
+    except ConfigError as error:
+        problems.append(str(error))
+        model = None
+    problems += data_problems(cfg.data, model, cfg.sampler.max_new_tokens)
+    problems += output_dir_problems(trainer.output_dir)
+    problems += _logger_problems(cfg.logger)  # installed packages: this machine, like the files
+    device, reference_device = _lower(trainer.device), _lower(cfg.model.reference_device)
+    on_cuda = device.startswith("cuda") or (device == "auto" and torch.cuda.is_available())
+    if reference_device.startswith("cuda"):  # else models.resolve_device says it, blaming trainer.device
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        index = reference_device.partition(":")[2]
+        if count == 0 or (index.isdigit() and int(index) >= count):
+            seen = (f"{count} CUDA device(s), numbered from 0" if count
+                    else f"no CUDA device (torch {torch.__version__})")
+            problems.append(f"model.reference_device={cfg.model.reference_device}, but torch sees {seen}. "
+                            "Use model.reference_device=same (the policy's device), cpu, or a CUDA "
+                            "device this machine has.")
+    if "paged" in str(cfg.optimizer._target_).lower() and not on_cuda:
+        problems.append(
+            f"optimizer._target_={cfg.optimizer._target_}: paged optimizers keep their states in CUDA "
+            "unified memory, and this run is on the CPU. Use optimizer=adamw_8bit (or adamw)."
         )
+    resume = trainer.resume
+    if isinstance(resume, bool) or (isinstance(resume, str) and resume):
+        problems += resume_problems(cfg)
+    return problems
 
 
 def output_dir_problems(output_dir: Optional[str]) -> list[str]:
