@@ -50,6 +50,23 @@ def nbytes(tensor: torch.Tensor) -> int:
     return tensor.numel() * tensor.element_size()
 
 
+def autograd_saved_bytes(model: torch.nn.Module, forward) -> tuple[int, object]:
+    """(bytes of every tensor autograd saves for the backward during `forward()`, each storage
+    once and the model's weights not counted; what forward returned)."""
+    weights = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    saved: dict[int, int] = {}
+
+    def keep(tensor):
+        storage = tensor.untyped_storage()
+        if storage.data_ptr() not in weights:
+            saved[storage.data_ptr()] = storage.nbytes()
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(keep, lambda tensor: tensor):
+        output = forward()
+    return sum(saved.values()), output
+
+
 def real_parameter_bytes(model: torch.nn.Module, adapter: bool) -> int:
     """The adapter's parameters (adapter=True) or all the others (a tied lm_head once), with
     bitsandbytes' quantization state: 4-bit absmax, codes and offset; 8-bit row scales (SCB).
@@ -96,18 +113,9 @@ def test_plan_equals_the_real_tensors_of_the_tiny_model(tiny_model_dir, mode):
     prompt, completion = torch.randint(1, 277, (SEQUENCES, PROMPT)), torch.randint(1, 277, (SEQUENCES, NEW))
     prompt_mask = torch.ones_like(prompt)
     prompt_mask[:, :4] = 0  # left padding, as the sampler's batches have
-    weights = {p.untyped_storage().data_ptr() for p in policy.parameters()}
-    saved: dict[int, int] = {}
-
-    def keep(tensor):
-        storage = tensor.untyped_storage()
-        if storage.data_ptr() not in weights:
-            saved[storage.data_ptr()] = storage.nbytes()
-        return tensor
-
     policy.train()
-    with torch.autograd.graph.saved_tensors_hooks(keep, lambda tensor: tensor):
-        log_probs, _ = completion_log_probs(policy, prompt, prompt_mask, completion, torch.ones_like(completion))
+    saved, (log_probs, _) = autograd_saved_bytes(
+        policy, lambda: completion_log_probs(policy, prompt, prompt_mask, completion, torch.ones_like(completion)))
     parameters = trainable_parameters(policy)
     log_probs.sum().backward()
     assert plan.bytes_of("gradients") == sum(nbytes(p.grad) for p in parameters)
@@ -121,15 +129,15 @@ def test_plan_equals_the_real_tensors_of_the_tiny_model(tiny_model_dir, mode):
                    f"sampler.max_new_tokens={NEW}")
     kept = plan_memory(micro, prompt_tokens=PROMPT, device="cpu").bytes_of("update activations")
     logits = SEQUENCES * (NEW + 1) * 277 * LOGIT_BYTES.get(mode, 4)
-    assert kept + logits == pytest.approx(sum(saved.values()), rel=0.03)
+    assert kept + logits == pytest.approx(saved, rel=0.03)
 
 
 def test_the_shared_prompt_pass_keeps_what_the_plan_counts(tiny_model_dir):
     # 2 prompts x G = 4 completions, one prompt pass per group (trainer.share_prompt_pass): the
     # layers keep 2 x 16 prompt tokens and 8 x 24 completion tokens, plus the prompt's keys and
-    # values repeated for each completion's attention. Measured: the plan is 3.4% above what
-    # autograd keeps here, 1.0% on SmolLM2 (P = 109, T = 64, G = 8); unshared, 4% below a
-    # count of 8 x 40 tokens everywhere would be 34% above.
+    # values repeated for each completion's attention. Measured (with the logits): the plan is
+    # 3.4% above what autograd keeps here, 1.0% on SmolLM2 (P = 109, T = 64, G = 8); the plan of
+    # one pass per completion (8 x 40 tokens) would be 38% above it here.
     from grpo_cli.models import load_models
     from grpo_cli.update import completion_log_probs
 
@@ -140,20 +148,12 @@ def test_the_shared_prompt_pass_keeps_what_the_plan_counts(tiny_model_dir):
     prompt_mask = torch.ones_like(prompt)
     prompt_mask[:, :4] = 0
     completion = torch.randint(1, 277, (8, NEW))
-    weights = {p.untyped_storage().data_ptr() for p in policy.parameters()}
-    saved: dict[int, int] = {}
-
-    def keep(tensor):
-        if tensor.untyped_storage().data_ptr() not in weights:
-            saved[tensor.untyped_storage().data_ptr()] = tensor.untyped_storage().nbytes()
-        return tensor
-
     policy.train()
-    with torch.autograd.graph.saved_tensors_hooks(keep, lambda tensor: tensor):
-        completion_log_probs(policy, prompt, prompt_mask, completion, torch.ones_like(completion), 1.0, False, 4)
+    saved, _ = autograd_saved_bytes(policy, lambda: completion_log_probs(
+        policy, prompt, prompt_mask, completion, torch.ones_like(completion), 1.0, False, 4))
     shared = plan_memory(cfg, prompt_tokens=PROMPT, device="cpu")
     logits = 8 * (NEW + 1) * 277 * 4
-    assert shared.bytes_of("update activations") + logits == pytest.approx(sum(saved.values()), rel=0.05)
+    assert shared.bytes_of("update activations") + logits == pytest.approx(saved, rel=0.05)
     assert any("prompt pass shared by each group" in row.note for row in shared.rows)
     cfg.trainer.share_prompt_pass = False
     assert plan_memory(cfg, prompt_tokens=PROMPT, device="cpu").bytes_of("update activations") > 1.2 * (

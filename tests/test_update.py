@@ -266,3 +266,12 @@ def test_a_model_without_a_repeatable_cache_takes_one_pass_per_completion(tiny_m
         plain, _ = completion_log_probs(models.policy, *rows)
         wrapped, _ = completion_log_probs(NoCache(models.policy), *rows, group_size=4)
     assert torch.equal(wrapped, plain)
+
+
+def test_the_prompt_pass_is_shared_by_whole_groups_in_one_process():
+    from grpo_cli.update import shared_prompt_pass_group
+
+    assert shared_prompt_pass_group(True, 16, 8, False) == 8  # two whole groups per micro-batch
+    assert shared_prompt_pass_group(True, 4, 8, False) == 1  # half a group
+    assert shared_prompt_pass_group(True, 16, 8, True) == 1  # torchrun: one forward per backward
+    assert shared_prompt_pass_group(False, 16, 8, False) == 1  # trainer.share_prompt_pass=false

@@ -16,7 +16,6 @@ at a time; `format_plan` prints the table. docs/MEMORY.md explains every row.
 from __future__ import annotations
 
 import copy
-import os
 from dataclasses import dataclass, field
 from typing import Any, Optional, Sequence
 
@@ -29,7 +28,9 @@ from grpo_cli.config import ArchitectureConfig, beta_schedule, boosted_group_siz
 from grpo_cli.evaluation import EVAL_BATCH
 from grpo_cli.memory_formulas import (DTYPE_BYTES, Amount, forward_bytes, optimizer_bytes, reference_amount,
                                       sampling_amounts, update_amounts, weight_bytes)
+from grpo_cli.launch import launched_world_size
 from grpo_cli.sampling import PACK_MIN_WEIGHTS
+from grpo_cli.update import shared_prompt_pass_group
 
 __all__ = ["architecture_of", "plan_memory", "cheapest_fixes", "format_plan", "format_fixes", "MemoryPlan", "Row",
            "Fix", "GB", "DEFAULT_PROMPT_TOKENS"]
@@ -146,12 +147,12 @@ def plan_memory(cfg: Any, prompt_tokens: Optional[int] = None, device: Optional[
         reference = reference_amount(arch, act, micro, prompt_tokens, new)
         rows.append(Row("reference pass", reference.bytes, reference.note, "reference pass",
                         on_device=reference_here or trainer.num_iterations > 1))
-    # update.update_policy's shared prompt pass: micro-batches of whole groups, one process, and a
-    # model that keeps its cache in a forward with gradients (checkpointing drops it)
-    shares_prompt_pass = (trainer.share_prompt_pass and micro % group == 0 and not model.gradient_checkpointing
-                          and int(os.environ.get("WORLD_SIZE", "1")) == 1)
+    # update.update_policy's rule, and a model that keeps its cache in a forward with gradients
+    # (gradient checkpointing drops it: update.keeps_cache)
+    prompt_pass_group = 1 if model.gradient_checkpointing else shared_prompt_pass_group(
+        trainer.share_prompt_pass, micro, group, launched_world_size() > 1)
     kept, backward = update_amounts(arch, act, micro, prompt_tokens, new, not lora, adapted, model.lora.r,
-                                    bool(model.gradient_checkpointing), group if shares_prompt_pass else 1)
+                                    bool(model.gradient_checkpointing), prompt_pass_group)
     rows += [gradients, _row("update activations", kept, "update"), _row("update backward", backward, "update")]
     if _has_eval(cfg.data):  # greedy, EVAL_BATCH prompts per generate (pass@k samples no more than a step)
         prompts = min(cfg.data.eval_size, EVAL_BATCH)

@@ -173,17 +173,18 @@ class StepTotals:
 
     SUMMED = ("loss", "kl_sum", "clipped_high", "clipped_low", "tokens", "entropy_sum", "entropy_tokens")
 
-    def add(self, loss: float, metrics: dict, entropy_sum: float | None, entropy_tokens: float) -> None:
+    def add(self, loss: float, metrics: dict) -> None:
         """One micro-batch of the current pass (the last one started with `start_pass`)."""
         self.loss += loss
-        if entropy_sum is not None:
-            self.entropy_sum += entropy_sum
-            self.entropy_tokens += entropy_tokens
         for key in ("kl_sum", "clipped_high", "clipped_low", "tokens"):
             setattr(self, key, getattr(self, key) + float(metrics[key]))
         self.clipped_by_pass[-1] += float(metrics["clipped_high"] + metrics["clipped_low"])
         self.tokens_by_pass[-1] += float(metrics["tokens"])
         self.deviation_by_pass[-1] = max(self.deviation_by_pass[-1], float(metrics["ratio_max_deviation"]))
+
+    def add_entropy(self, entropy_sum: float, tokens: float) -> None:
+        self.entropy_sum += entropy_sum
+        self.entropy_tokens += tokens
 
     def start_pass(self) -> None:
         self.clipped_by_pass.append(0.0)
@@ -220,6 +221,18 @@ class StepTotals:
         )
 
 
+def shared_prompt_pass_group(share_prompt_pass: bool, micro_batch_size: int, group_size: int,
+                             distributed: bool) -> int:
+    """G where one prompt pass serves each group of G completions (trainer.share_prompt_pass and
+    micro-batches of whole groups), else 1. Not under torchrun: DDP and FSDP expect one forward
+    per backward. The memory planner plans by the same rule.
+
+    Example: (True, 16, 8, False) -> 8;  (True, 4, 8, False) -> 1;  (True, 16, 8, True) -> 1
+    """
+    whole_groups = micro_batch_size % group_size == 0
+    return group_size if share_prompt_pass and whole_groups and not distributed else 1
+
+
 def update_policy(
     models: Models,
     rollout: Rollout,
@@ -247,10 +260,9 @@ def update_policy(
         kl_importance_correction=trainer.kl_importance_correction,
     )
     rank_scale = place.world_size  # DDP / FSDP average the ranks' gradients; the shares must add up
-    # One prompt pass per group where every micro-batch holds whole groups. Not under torchrun:
-    # DDP and FSDP expect one forward per backward.
-    whole_groups = (trainer.micro_batch_size or rollout.completion_ids.shape[0]) % rollout.group_size == 0
-    prompt_pass_group = rollout.group_size if trainer.share_prompt_pass and whole_groups and not place.enabled else 1
+    prompt_pass_group = shared_prompt_pass_group(trainer.share_prompt_pass, trainer.micro_batch_size
+                                                 or rollout.completion_ids.shape[0], rollout.group_size,
+                                                 place.enabled)
 
     def log_probs_of(model, batch: MicroBatch, with_entropy=False):  # the policy, its DDP wrapper, or the reference
         here = next(model.parameters()).device  # a full fine-tune's reference may sit on the CPU
@@ -286,8 +298,9 @@ def update_policy(
                     settings, step_size,
                 )
                 (loss * rank_scale).backward()
-            entropy_sum = (entropy * batch.mask).sum().item() if entropy is not None else None
-            totals.add(loss.item(), metrics, entropy_sum, float(batch.mask.sum()))
+            if entropy is not None:  # the first pass, over every completion token, truncated or not
+                totals.add_entropy((entropy * batch.mask).sum().item(), float(batch.mask.sum()))
+            totals.add(loss.item(), metrics)
         norm = torch.nn.utils.clip_grad_norm_(parameters, max_grad_norm or math.inf)
         grad_norm = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)  # FSDP: a DTensor
         if math.isfinite(grad_norm):
