@@ -19,6 +19,7 @@ from omegaconf import OmegaConf
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
+from grpo_cli.checkpoint import load_trainer_state
 from grpo_cli.config import ConfigError
 from grpo_cli.distributed import (Distributed, launched_world_size, local_share, reduce_metrics, reduction_of,
                                   sampling_seed)
@@ -177,7 +178,32 @@ def test_fsdp_refuses_what_needs_ranks_to_differ(tiny_model_dir):
         validate(config(tiny_model_dir, "trainer.distributed=fsdp", "trainer.filter_zero_std=true",
                         "trainer.guard.enabled=true"), check_files=False)
     assert "trainer.filter_zero_std=true with trainer.distributed=fsdp" in str(error.value)
-    assert "trainer.guard.enabled=true with trainer.distributed=fsdp" in str(error.value)
+    assert "trainer.guard" not in str(error.value)  # the rollback loads sharded weights (next test)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
+def test_the_guard_rolls_back_sharded_weights(tmp_path, tiny_model_dir, lora):
+    # max_kl 1e-9: step 1 is on the reference (KL 0) and is kept; steps 2 and 3 drift (the
+    # alternating reward gives each a gradient) and roll back to the newest checkpoint before
+    # them. The guard runs before the step's checkpoint, so checkpoints 2 and 3 must hold
+    # exactly checkpoint 1's weights and Adam moments, put back into the shards of both ranks.
+    run_dir = tmp_path / "run"
+    torchrun("-m", "grpo_cli.cli", *QUICK, "trainer.distributed=fsdp", "trainer.steps=3", "trainer.checkpoint_every=1",
+             "trainer.keep_last=3", "data.eval_size=0", "trainer.guard.enabled=true", "trainer.guard.max_kl=1e-9",
+             "trainer.guard.max_rollbacks=5", f"model.lora.enabled={lora}", "model.lora.r=4", "optimizer.lr=1e-2",
+             ALTERNATING_REWARD, f"hydra.run.dir={run_dir}", cwd=tmp_path)
+    assert [row["guard/rollbacks"] for row in read_metrics(run_dir)] == [0, 1, 2]  # eval_size 0: no row 0
+    weights_file = "adapter_model.safetensors" if lora else "model.safetensors"
+    first, *rolled_back = (run_dir / "checkpoints" / f"step-00000{step}" for step in (1, 2, 3))
+    saved = load_file(first / weights_file)
+    moments = load_trainer_state(first)["optimizer"]["state"]
+    assert moments and any(float(state["exp_avg"].abs().max()) > 0 for state in moments.values())
+    for checkpoint in rolled_back:
+        assert load_file(checkpoint / weights_file).keys() == saved.keys()
+        assert all(torch.equal(load_file(checkpoint / weights_file)[name], saved[name]) for name in saved)
+        restored = load_trainer_state(checkpoint)["optimizer"]["state"]
+        assert all(torch.equal(restored[key]["exp_avg"], moments[key]["exp_avg"]) for key in moments)
 
 
 def comparable(rows: list[dict]) -> list[dict]:

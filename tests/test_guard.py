@@ -10,7 +10,7 @@ import torch
 
 from grpo_cli.checkpoint import save_checkpoint
 from grpo_cli.config import GuardConfig
-from grpo_cli.guard import GuardState, GuardStop, roll_back, trigger
+from grpo_cli.guard import GuardState, GuardStop, roll_back, rollback_reason
 from grpo_cli.logs import read_metrics
 from grpo_cli.pipeline import run
 from helpers import ALTERNATING_REWARD, computed_rows, config
@@ -21,13 +21,13 @@ FINE = {"loss": 0.1, "grad_norm": 1.0, "kl": 0.01, "skipped_updates": 0}
 def test_non_finite_loss_or_gradient_triggers():
     guard = GuardConfig(enabled=True)
     for bad in ({"loss": math.nan}, {"grad_norm": math.inf}, {"skipped_updates": 1}):
-        assert "not finite" in trigger(guard, GuardState(), 7, {**FINE, "reward/mean": 0.5, **bad})
+        assert "not finite" in rollback_reason(guard, GuardState(), 7, {**FINE, "reward/mean": 0.5, **bad})
 
 
 def test_kl_above_the_bound_triggers():
     guard = GuardConfig(enabled=True, max_kl=0.5)
-    assert trigger(guard, GuardState(), 3, {**FINE, "kl": 0.4, "reward/mean": 0.5}) is None
-    assert "exceeded trainer.guard.max_kl=0.5" in trigger(guard, GuardState(), 3, {**FINE, "kl": 0.6, "reward/mean": 0.5})
+    assert rollback_reason(guard, GuardState(), 3, {**FINE, "kl": 0.4, "reward/mean": 0.5}) is None
+    assert "exceeded trainer.guard.max_kl=0.5" in rollback_reason(guard, GuardState(), 3, {**FINE, "kl": 0.6, "reward/mean": 0.5})
 
 
 def test_reward_drop_is_measured_on_the_window_against_its_best():
@@ -35,7 +35,7 @@ def test_reward_drop_is_measured_on_the_window_against_its_best():
     # (0.7, 0.8, 0.5) = 0.667, fine; 0.2 -> (0.8, 0.5, 0.2) = 0.5: 0.2 below, fine; 0.1 ->
     # (0.5, 0.2, 0.1) = 0.267: 0.433 below the best -> trigger at step 6.
     guard, state = GuardConfig(enabled=True, window=3, reward_drop=0.3), GuardState()
-    reasons = [trigger(guard, state, step, {**FINE, "reward/mean": reward})
+    reasons = [rollback_reason(guard, state, step, {**FINE, "reward/mean": reward})
                for step, reward in enumerate([0.6, 0.7, 0.8, 0.5, 0.2, 0.1], start=1)]
     assert reasons[:5] == [None] * 5 and "fell to 0.2667 at step 6" in reasons[5]
     assert state.best_reward == pytest.approx(0.7) and state.best_step == 3
@@ -43,8 +43,10 @@ def test_reward_drop_is_measured_on_the_window_against_its_best():
 
 @pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
 def test_roll_back_restores_the_checkpoint_weights_and_raises_beta(tmp_path, tiny_model_dir, lora):
+    from grpo_cli.adaptive import AdaptiveGroupState
     from grpo_cli.models import load_models, trainable_parameters
     from grpo_cli.optim import make_optimizer, make_scheduler
+    from grpo_cli.state import TrainState
 
     cfg = config(tiny_model_dir, f"model.lora.enabled={lora}")
     models = load_models(cfg.model, 0.0, torch.device("cpu"))
@@ -58,7 +60,8 @@ def test_roll_back_restores_the_checkpoint_weights_and_raises_beta(tmp_path, tin
         for parameter in parameters:
             parameter.add_(1.0)
     guard, state = GuardConfig(enabled=True, beta_factor=2.0, lr_factor=0.5), GuardState()
-    target = roll_back(guard, state, 5, "KL too high", tmp_path, models.policy, optimizer, scheduler)
+    train_state = TrainState(models.policy, optimizer, scheduler, prompts=None, adaptive=AdaptiveGroupState(4, 4))
+    target = roll_back(guard, state, 5, "KL too high", tmp_path, train_state.restore_weights, optimizer, scheduler)
     assert target.name == "step-000001"
     assert all(torch.equal(p, s) for p, s in zip(parameters, saved))
     assert state.beta_scale == 2.0 and optimizer.param_groups[0]["lr"] == pytest.approx(0.5 * 1e-2)

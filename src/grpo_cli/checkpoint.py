@@ -272,20 +272,35 @@ def _first_line(error: BaseException) -> str:
     return text.splitlines()[0] if text else type(error).__name__
 
 
-def load_policy_weights(policy: torch.nn.Module, checkpoint: Path) -> None:
+def load_policy_weights(policy: torch.nn.Module, checkpoint: Path, sharded: bool = False) -> None:
     """Put a checkpoint's trained weights back into the live policy (the guard's rollback):
-    the LoRA adapter for a PEFT model, else every tensor of the model's safetensors files."""
+    the LoRA adapter for a PEFT model, else every tensor of the model's safetensors files.
+
+    `sharded` (FSDP): the parameters are DTensors holding this rank's shard, which refuse a
+    plain load_state_dict; torch's set_model_state_dict shards the full tensors as it loads
+    them (a collective: every rank calls it with the same file)."""
     from safetensors.torch import load_file
 
-    if hasattr(policy, "peft_config"):
+    adapter = hasattr(policy, "peft_config")
+    files = [checkpoint / "adapter_model.safetensors"] if adapter else sorted(checkpoint.glob("*.safetensors"))
+    weights: dict[str, torch.Tensor] = {}
+    for path in files:
+        weights.update(load_file(path))
+    if adapter and not sharded:
         from peft import set_peft_model_state_dict
 
-        set_peft_model_state_dict(policy, load_file(checkpoint / "adapter_model.safetensors"))
+        set_peft_model_state_dict(policy, weights)
         return
-    weights: dict[str, torch.Tensor] = {}
-    for shard in sorted(checkpoint.glob("*.safetensors")):
-        weights.update(load_file(shard))
-    result = policy.load_state_dict(weights, strict=False)
+    if adapter:  # PEFT saves `...lora_A.weight` for the live `...lora_A.default.weight`: put the name back
+        adapter_name = f".{policy.active_adapter}"
+        live_names = {name.replace(adapter_name, ""): name for name in policy.state_dict()}
+        weights = {live_names.get(name, name): tensor for name, tensor in weights.items()}
+    if sharded:
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+        result = set_model_state_dict(policy, weights, options=StateDictOptions(full_state_dict=True, strict=False))
+    else:
+        result = policy.load_state_dict(weights, strict=False)
     if result.unexpected_keys or not weights:
         raise CheckpointError(f"{checkpoint} does not hold this model's weights "
                               f"(unexpected: {result.unexpected_keys[:5]}).")

@@ -18,11 +18,11 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 
-from grpo_cli.checkpoint import complete_checkpoints, load_policy_weights, load_trainer_state, read_meta
+from grpo_cli.checkpoint import complete_checkpoints, read_meta
 from grpo_cli.config import ConfigError, GuardConfig
 
 
@@ -49,7 +49,7 @@ class GuardState:
         return cls(**state) if state else cls()
 
 
-def trigger(guard: GuardConfig, state: GuardState, step: int, metrics: dict[str, Any]) -> Optional[str]:
+def rollback_reason(guard: GuardConfig, state: GuardState, step: int, metrics: dict[str, Any]) -> Optional[str]:
     """Why this step calls for a rollback, or None. Updates the reward window in `state`."""
     loss, grad_norm = metrics.get("loss"), metrics.get("grad_norm")
     if metrics.get("skipped_updates") or not _finite(loss) or not _finite(grad_norm):
@@ -87,18 +87,18 @@ def rollback_target(output_dir: Path, state: GuardState, reward_drop: bool) -> O
 
 
 def roll_back(guard: GuardConfig, state: GuardState, step: int, reason: str, output_dir: Path,
-              policy: torch.nn.Module, optimizer: torch.optim.Optimizer,
+              restore_weights: Callable[[Path], None], optimizer: torch.optim.Optimizer,
               scheduler: torch.optim.lr_scheduler.LRScheduler) -> Path:
-    """Load the last good checkpoint's weights and optimizer state, raise beta, lower the LR.
-    Raises GuardStop when the rollbacks are used up or there is nothing to roll back to."""
+    """Load the last good checkpoint's weights and optimizer state (`restore_weights`, which is
+    TrainState's), raise beta, lower the LR. Raises GuardStop when the rollbacks are used up or
+    there is nothing to roll back to."""
     target = rollback_target(output_dir, state, reward_drop="reward" in reason)
     if len(state.rollbacks) >= guard.max_rollbacks or target is None:
         why = ("no checkpoint to roll back to (set trainer.checkpoint_every)" if target is None
                else f"trainer.guard.max_rollbacks={guard.max_rollbacks} rollbacks are used up")
         raise GuardStop(report(state, f"Stopped at step {step}: {reason}; {why}."))
-    load_policy_weights(policy, target)
     current_lrs = scheduler.get_last_lr()
-    optimizer.load_state_dict(load_trainer_state(target)["optimizer"])  # Adam moments of then
+    restore_weights(target)  # the weights and the Adam moments of then
     # The schedule goes on from now (not from the checkpoint's step), lowered by lr_factor for good.
     for group, lr in zip(optimizer.param_groups, current_lrs):
         group["lr"] = lr * guard.lr_factor

@@ -8,28 +8,25 @@
 from __future__ import annotations
 
 import contextlib
-import random
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
-import numpy as np
 import torch
 from omegaconf import OmegaConf
 
 from grpo_cli.adaptive import AdaptiveGroupState, next_group_size
 from grpo_cli.advantages import group_advantages
-from grpo_cli.checkpoint import (CheckpointError, latest_checkpoint, load_trainer_state, newest_resumable,
-                                 non_finite_tensor, save_checkpoint, set_rng_state)
-from grpo_cli.config import BetaSchedule, ConfigError, beta_schedule, boosted_group_size, resume_mode
+from grpo_cli.checkpoint import latest_checkpoint
+from grpo_cli.config import BetaSchedule, ConfigError, beta_schedule, boosted_group_size
 from grpo_cli.console import sample_entries
-from grpo_cli.distributed import (SINGLE, Distributed, barrier, broadcast_from_main, full_states, is_sharded,
-                                  join_process_group, leave_process_group, load_optimizer_state, max_over_ranks,
-                                  rank_device, reduce_metrics, sampling_seed, weights_spread, wrap_for_training)
+from grpo_cli.distributed import (SINGLE, Distributed, broadcast_from_main, is_sharded, join_process_group,
+                                  leave_process_group, max_over_ranks, rank_device, reduce_metrics, sampling_seed,
+                                  weights_spread, wrap_for_training)
 from grpo_cli.dynamic import fill_informative_groups
 from grpo_cli.evaluation import evaluate
-from grpo_cli.guard import GuardState, roll_back, trigger
+from grpo_cli.guard import roll_back, rollback_reason
 from grpo_cli.logs import QuietLogger, RunLogger, resident_memory_gb
 from grpo_cli.losses import beta_at
 from grpo_cli.memory_check import check_memory, print_plan
@@ -41,6 +38,7 @@ from grpo_cli.rewards.api import RewardScorer
 from grpo_cli.run_lock import hold_run_folder
 from grpo_cli.run_summary import summarize_run
 from grpo_cli.sampling import Sampler, make_sampler
+from grpo_cli.state import TrainState, find_resume_checkpoint, seed_everything
 from grpo_cli.stopping import StopRequests
 from grpo_cli.update import update_policy
 from grpo_cli.validation import validate
@@ -95,108 +93,44 @@ def run(cfg: Any) -> Optional[RunResult]:
 
 def train(cfg: Any, place: Distributed) -> RunResult:
     trainer = cfg.trainer
-    if not trainer.output_dir:
-        raise ConfigError("trainer.output_dir is not set: give the folder the run writes to.")
-    output_dir = Path(broadcast_from_main(trainer.output_dir, place))  # ranks may have named it at different seconds
-    output_dir.mkdir(parents=True, exist_ok=True)
+    output_dir = run_folder(trainer, place)
     resume_from = find_resume_checkpoint(trainer.resume, output_dir, report=print if place.is_main else ignore)
-
     scorer = RewardScorer.from_config(cfg.reward, trainer.std_eps)  # imports each _target_: fails before loading
     seed_everything(trainer.seed)
     device = resolve_device(rank_device(trainer.device, place))
     train_rows, eval_rows = train_and_eval_rows(cfg.data)
     check_memory(cfg, device, train_rows + eval_rows, output_dir, place)  # stops here if it will not fit
     parts = load_parts(cfg, scorer, train_rows, device, place, resume_from)
-    models, prompts, optimizer = parts.models, parts.prompts, parts.optimizer
-    start_step, guard_state, state = 0, GuardState(), {}
+    state = TrainState(parts.models.policy, parts.optimizer, parts.scheduler, parts.prompts,
+                       AdaptiveGroupState.from_state_dict(None, cfg.sampler.group_size), place=place)
     if resume_from is not None:
-        broken = non_finite_tensor(models.policy.state_dict())
-        if broken is not None:
-            raise CheckpointError(f"trainer.resume: {resume_from} holds NaN or inf weights ({broken}); a run "
-                                  "cannot continue from it. Resume from an earlier checkpoint (trainer.resume=PATH).")
-        state = load_trainer_state(resume_from)
-        load_optimizer_state(models.policy, optimizer, state["optimizer"], place)
-        parts.scheduler.load_state_dict(state["scheduler"])
-        prompts.load_state_dict(state["data"])
-        set_rng_state(state["rng"])
-        start_step = int(state["step"])
-        guard_state = GuardState.from_state_dict(state.get("guard"))
-    adaptive = AdaptiveGroupState.from_state_dict(state.get("adaptive"), cfg.sampler.group_size)
-    if place.is_main:
-        OmegaConf.save(cfg, output_dir / "config.yaml", resolve=True)
-        log = RunLogger(output_dir, trainer.steps, start_step, trainer.log_every, cfg.logger,
-                        OmegaConf.to_container(cfg, resolve=True))
-    else:
-        log = QuietLogger()
+        state.resume(resume_from)
+    log = open_log(cfg, output_dir, state.step, place)
     if resume_from is not None:
-        log.print(f"Resuming from {resume_from} (step {start_step}).")
-    started = time.perf_counter()
-    eval_before = None
-    if eval_rows and start_step == 0:
-        before = evaluate(parts, eval_rows)
-        eval_before = before["eval/accuracy"]
-        log.print(f"Greedy eval before training: accuracy {eval_before:.3f} on {len(eval_rows)} prompts")
-        log.log_step(0, before)  # row 0 of metrics.jsonl: the starting point of every curve
-
-    def checkpoint(step: int, metrics: dict[str, Any], beta: float) -> Path:
-        model_state, optimizer_state = full_states(models.policy, optimizer, place)  # FSDP: gathered on rank 0
-        saved = save_checkpoint(
-            output_dir, step, models.policy, models.tokenizer,
-            trainer_state={
-                "optimizer": optimizer_state,
-                "scheduler": parts.scheduler.state_dict(),
-                "data": prompts.state_dict(),
-                "guard": guard_state.state_dict(),
-                "adaptive": adaptive.state_dict(),
-            },
-            meta={"reward_mean": metrics["reward/mean"], "kl": metrics["kl"], "beta": beta},
-            keep_last=trainer.keep_last,
-            keep_best=trainer.keep_best,
-            model_state=model_state,
-        ) if place.is_main else None  # rank 0 writes; the others wait until it is complete
-        barrier(place)
-        return broadcast_from_main(saved, place)
-
+        log.print(f"Resuming from {resume_from} (step {state.step}).")
+    started, start_step = time.perf_counter(), state.step
+    eval_before = evaluate_before(parts, eval_rows, log) if eval_rows and start_step == 0 else None
     last_checkpoint, eval_after, step = None, None, start_step
     with StopRequests() as stop:
         try:
             for step in range(start_step + 1, trainer.steps + 1):
-                result = train_step(parts, step, adaptive.group_size, guard_state.beta_scale)
-                metrics = result.metrics
-                if cfg.sampler.adaptive.enabled:  # sets the group size of the next step
-                    change = next_group_size(cfg.sampler.adaptive, adaptive, boosted_group_size(cfg.sampler), step,
-                                             metrics["reward/mean"], metrics["advantage/zero_std_fraction"])
-                    if change is not None:
-                        log.print(f"[cyan]step {step}: {change}")
-                final = step == trainer.steps
+                result = train_step(parts, step, state.adaptive.group_size, state.guard.beta_scale)
+                state.step, metrics, final = step, result.metrics, step == trainer.steps
+                if cfg.sampler.adaptive.enabled:
+                    adapt_group_size(cfg.sampler, state.adaptive, step, metrics, log)
                 if eval_rows and (final or (trainer.eval_every and step % trainer.eval_every == 0)):
                     metrics.update(evaluate(parts, eval_rows))
                     eval_after = metrics["eval/accuracy"]
                 if trainer.guard.enabled:  # before the checkpoint: a bad step is never saved as good
-                    reason = trigger(trainer.guard, guard_state, step, metrics)
-                    if reason is not None:
-                        target = roll_back(trainer.guard, guard_state, step, reason, output_dir,
-                                           models.policy, optimizer, parts.scheduler)
-                        log.print(f"[yellow]guard: {reason}; rolled back to {target}, beta now "
-                                  f"x{guard_state.beta_scale:g}, learning rate x{guard_state.lr_scale:g}")
-                    metrics["guard/rollbacks"] = len(guard_state.rollbacks)
-                for name, why in result.rewards.errors.items():
-                    count = result.rewards.error_counts.get(name, 0)
-                    log.print(f"[yellow]step {step}: reward function {name} failed on {count} completions "
-                              f"(first: {why}); those scored None")
-                log.log_step(step, metrics)
-                if trainer.sample_every and step % trainer.sample_every == 0:
-                    log.log_samples(sample_entries(step, result.rollout, result.rewards, result.advantages,
-                                                   trainer.sample_prompts))
-
-                scheduled = trainer.checkpoint_every and step % trainer.checkpoint_every == 0
-                if place.enabled:  # a signal may reach one rank first: all stop after the same step
-                    stopping = max_over_ranks([float(stop.requested is not None)], place)[0]
-                    stop.requested = stop.requested or ("a signal to another process" if stopping else None)
-                if final or scheduled or stop.requested:  # SIGINT / SIGTERM: keep the finished step
-                    last_checkpoint = checkpoint(step, metrics, result.beta)
-                if stop.requested:
-                    log.print(f"Stopped by {stop.requested} after step {step}; checkpoint {last_checkpoint}. "
+                    guard_step(trainer.guard, state, metrics, output_dir, log)
+                log_step(log, trainer, step, result)
+                stopping = stop_requested(stop, place)
+                if final or (trainer.checkpoint_every and step % trainer.checkpoint_every == 0) or stopping:
+                    meta = {"reward_mean": metrics["reward/mean"], "kl": metrics["kl"], "beta": result.beta}
+                    last_checkpoint = state.save(output_dir, parts.models.tokenizer, meta,
+                                                 trainer.keep_last, trainer.keep_best)
+                if stopping:  # SIGINT / SIGTERM: the finished step is kept
+                    log.print(f"Stopped by {stopping} after step {step}; checkpoint {last_checkpoint}. "
                               f"Continue with the same command plus trainer.resume=true hydra.run.dir={output_dir}")
                     break
         except KeyboardInterrupt:  # a second Ctrl-C: stop now, the step in flight is lost
@@ -206,9 +140,80 @@ def train(cfg: Any, place: Distributed) -> RunResult:
                       f"Continue with trainer.resume=true hydra.run.dir={output_dir}")
             raise SystemExit(130) from None
     log.close()
-    summarize(log, step - start_step, time.perf_counter() - started, eval_before, eval_after,
+    summarize(log, state.step - start_step, time.perf_counter() - started, eval_before, eval_after,
               last_checkpoint, output_dir, parts.scorer.names[1:])
-    return RunResult(output_dir, step, eval_before, eval_after, last_checkpoint)
+    return RunResult(output_dir, state.step, eval_before, eval_after, last_checkpoint)
+
+
+def run_folder(trainer: Any, place: Distributed) -> Path:
+    """trainer.output_dir, created; under torchrun rank 0's name (ranks may have named it at
+    different seconds)."""
+    if not trainer.output_dir:
+        raise ConfigError("trainer.output_dir is not set: give the folder the run writes to.")
+    output_dir = Path(broadcast_from_main(trainer.output_dir, place))
+    output_dir.mkdir(parents=True, exist_ok=True)
+    return output_dir
+
+
+def open_log(cfg: Any, output_dir: Path, start_step: int, place: Distributed) -> RunLogger | QuietLogger:
+    """Rank 0 saves the resolved config and logs (console, metrics.jsonl, backends); the others
+    stay quiet."""
+    if not place.is_main:
+        return QuietLogger()
+    OmegaConf.save(cfg, output_dir / "config.yaml", resolve=True)
+    return RunLogger(output_dir, cfg.trainer.steps, start_step, cfg.trainer.log_every, cfg.logger,
+                     OmegaConf.to_container(cfg, resolve=True))
+
+
+def evaluate_before(parts: RunParts, eval_rows: list[dict[str, Any]], log: RunLogger | QuietLogger) -> float:
+    """The greedy eval of the untrained policy: row 0 of metrics.jsonl, where every curve starts."""
+    before = evaluate(parts, eval_rows)
+    log.print(f"Greedy eval before training: accuracy {before['eval/accuracy']:.3f} on {len(eval_rows)} prompts")
+    log.log_step(0, before)
+    return before["eval/accuracy"]
+
+
+def adapt_group_size(sampler: Any, adaptive: AdaptiveGroupState, step: int, metrics: dict[str, Any],
+                     log: RunLogger | QuietLogger) -> None:
+    """sampler.adaptive: this step's rewards set the group size of the next one."""
+    change = next_group_size(sampler.adaptive, adaptive, boosted_group_size(sampler), step,
+                             metrics["reward/mean"], metrics["advantage/zero_std_fraction"])
+    if change is not None:
+        log.print(f"[cyan]step {step}: {change}")
+
+
+def guard_step(guard: Any, state: TrainState, metrics: dict[str, Any], output_dir: Path,
+               log: RunLogger | QuietLogger) -> None:
+    """trainer.guard: roll back to the last good checkpoint when this step's metrics call for it."""
+    reason = rollback_reason(guard, state.guard, state.step, metrics)
+    if reason is not None:
+        target = roll_back(guard, state.guard, state.step, reason, output_dir, state.restore_weights,
+                           state.optimizer, state.scheduler)
+        log.print(f"[yellow]guard: {reason}; rolled back to {target}, beta now "
+                  f"x{state.guard.beta_scale:g}, learning rate x{state.guard.lr_scale:g}")
+    metrics["guard/rollbacks"] = len(state.guard.rollbacks)
+
+
+def log_step(log: RunLogger | QuietLogger, trainer: Any, step: int, result: StepResult) -> None:
+    """The step's metrics row, the reward functions that failed, and every `sample_every` steps
+    a table of samples."""
+    for name, why in result.rewards.errors.items():
+        count = result.rewards.error_counts.get(name, 0)
+        log.print(f"[yellow]step {step}: reward function {name} failed on {count} completions "
+                  f"(first: {why}); those scored None")
+    log.log_step(step, result.metrics)
+    if trainer.sample_every and step % trainer.sample_every == 0:
+        log.log_samples(sample_entries(step, result.rollout, result.rewards, result.advantages,
+                                       trainer.sample_prompts))
+
+
+def stop_requested(stop: StopRequests, place: Distributed) -> Optional[str]:
+    """Why the run stops after this step (a SIGINT or SIGTERM), or None. A signal may reach one
+    rank first: the ranks agree, so all stop after the same step."""
+    if place.enabled:
+        stopping = max_over_ranks([float(stop.requested is not None)], place)[0]
+        stop.requested = stop.requested or ("a signal to another process" if stopping else None)
+    return stop.requested
 
 
 def load_parts(cfg: Any, scorer: RewardScorer, train_rows: list[dict[str, Any]], device: torch.device,
@@ -292,39 +297,8 @@ def sample_and_score(parts: RunParts, group_size: int, cost: dict[str, float]) -
     return rollout, rewards
 
 
-def find_resume_checkpoint(resume: Any, output_dir: Path,
-                           report: Callable[[str], None] = print) -> Optional[Path]:
-    """The checkpoint trainer.resume names: with `true`, the newest one of the run that can be
-    resumed, `report`ing each newer one passed over as damaged (cut off, overwritten)."""
-    mode = resume_mode(resume)
-    if mode is None:
-        return None
-    if mode != "latest":
-        return Path(mode)  # validate has checked it
-    found, skipped = newest_resumable(output_dir)
-    if found is None and skipped:
-        reasons = "; ".join(f"{path.name}: {why}" for path, why in skipped)
-        raise ConfigError(f"trainer.resume=true, but no checkpoint in {output_dir}/checkpoints can be resumed "
-                          f"({reasons}). Start a fresh run (trainer.resume=false) in another folder.")
-    if found is None:
-        raise ConfigError(
-            f"trainer.resume=true, but {output_dir}/checkpoints holds no complete checkpoint. "
-            "Point the run at the old run's folder (hydra.run.dir=... or trainer.output_dir=...), "
-            "or give a checkpoint folder: trainer.resume=PATH."
-        )
-    for path, why in skipped:
-        report(f"Skipping checkpoint {path}: {why}. Resuming from the newest one before it that loads.")
-    return found
-
-
 def ignore(_: str) -> None:
     """A report that goes nowhere (ranks other than 0)."""
-
-
-def seed_everything(seed: int) -> None:
-    random.seed(seed)
-    np.random.seed(seed)
-    torch.manual_seed(seed)
 
 
 def step_metrics(rollout: Rollout, rewards: Rewards, advantages: Advantages, stats: UpdateStats,

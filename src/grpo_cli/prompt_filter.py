@@ -43,10 +43,10 @@ from rich.table import Table
 from grpo_cli.advantages import group_advantages
 from grpo_cli.config import ConfigError
 from grpo_cli.models import load_models, resolve_device
-from grpo_cli.pipeline import find_resume_checkpoint, seed_everything
 from grpo_cli.prompts import PromptSource, batches, load_rows
 from grpo_cli.rewards.api import RewardScorer
 from grpo_cli.sampling import make_sampler
+from grpo_cli.state import find_resume_checkpoint, seed_everything
 from grpo_cli.tasks import synthetic_task_name
 from grpo_cli.validation import validate
 

@@ -86,14 +86,10 @@ def _batch_problems(cfg: Any, ranks: int) -> list[str]:
         )
     if data.prompts_per_step < 1:
         problems.append(f"data.prompts_per_step={data.prompts_per_step} must be at least 1.")
-    if trainer.distributed == "fsdp":
-        # Sharded ranks gather weights together, so they must run the same forward passes.
-        if trainer.filter_zero_std:
-            problems.append("trainer.filter_zero_std=true with trainer.distributed=fsdp: ranks would take "
-                            "different numbers of sampling rounds. Use trainer.distributed=ddp for dynamic sampling.")
-        if trainer.guard.enabled:
-            problems.append("trainer.guard.enabled=true with trainer.distributed=fsdp: rolling back sharded "
-                            "weights is not supported yet. Use trainer.distributed=ddp, or run without the guard.")
+    # Sharded ranks gather weights together, so they must run the same forward passes.
+    if trainer.distributed == "fsdp" and trainer.filter_zero_std:
+        problems.append("trainer.filter_zero_std=true with trainer.distributed=fsdp: ranks would take "
+                        "different numbers of sampling rounds. Use trainer.distributed=ddp for dynamic sampling.")
     if ranks > 1 and data.prompts_per_step % ranks:
         problems.append(
             f"data.prompts_per_step={data.prompts_per_step} must be a multiple of the {ranks} torchrun "
