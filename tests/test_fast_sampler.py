@@ -13,8 +13,8 @@ import torch
 from grpo_cli.models import load_models
 from grpo_cli.prompts import PromptSource
 from grpo_cli.sampling import Sampler, make_sampler
-from grpo_cli.sampling.fast import (FastSampler, PackedLinears, draw, next_token_scores, packed_gemm_available,
-                                    runs_layer_by_layer, single_query_attention)
+from grpo_cli.sampling.fast import FastSampler, draw, next_token_scores, runs_layer_by_layer, single_query_attention
+from grpo_cli.sampling.packed import PackedLinears, packed_gemm_available
 from grpo_cli.sampling.hf import HFSampler
 from helpers import config, homogeneity_p_value, multinomial_draw, token_counts
 
@@ -112,6 +112,7 @@ def test_sampling_with_packed_weights_draws_from_the_same_distribution(tiny_mode
     # tokens: a draw at a CDF boundary could flip, and then the runs would compare other
     # sequences. The scores agree to float32 rounding, not bit for bit.
     import grpo_cli.sampling.fast as fast
+    import grpo_cli.sampling.packed as packed
 
     cfg, models, sampler = setup(tiny_model_dir, "fast", "data.prompts_per_step=8", "sampler.max_new_tokens=12",
                                  "sampler.min_new_tokens=12")
@@ -119,15 +120,15 @@ def test_sampling_with_packed_weights_draws_from_the_same_distribution(tiny_mode
     products = Counter()
     # the tiny model's weights are all below the size worth packing: pack them all here
     assert not PackedLinears(models.policy, rows=32).forwards
-    monkeypatch.setattr(fast, "PACK_MIN_WEIGHTS", 0)
+    monkeypatch.setattr(packed, "PACK_MIN_WEIGHTS", 0)
 
-    packed_forward = fast.packed_forward
+    packed_forward = packed.packed_forward
 
     def counted_packed_forward(weight, bias, rows):
         forward = packed_forward(weight, bias, rows)
         return lambda inputs: products.update([tuple(inputs.shape)]) or forward(inputs)
 
-    monkeypatch.setattr(fast, "packed_forward", counted_packed_forward)
+    monkeypatch.setattr(packed, "packed_forward", counted_packed_forward)
     scores, drawn = {True: [], False: []}, []
 
     def replaying_draw(step_scores, greedy):  # the packed run draws, the plain run takes its tokens
@@ -137,7 +138,7 @@ def test_sampling_with_packed_weights_draws_from_the_same_distribution(tiny_mode
         return drawn[len(scores[packing]) - 1]
 
     for packing in (True, False):
-        monkeypatch.setattr(fast, "packed_gemm_available", lambda: packing)
+        monkeypatch.setattr(packed, "packed_gemm_available", lambda: packing)
         torch.manual_seed(0)
         with monkeypatch.context() as patch:
             patch.setattr(fast, "draw", replaying_draw)
@@ -155,7 +156,7 @@ def test_sampling_with_packed_weights_draws_from_the_same_distribution(tiny_mode
     assert not any("forward" in vars(module) for module in models.policy.modules())
     # Under autocast the layers must cast as autocast does: nothing is packed.
     products.clear()
-    monkeypatch.setattr(fast, "packed_gemm_available", lambda: True)
+    monkeypatch.setattr(packed, "packed_gemm_available", lambda: True)
     make_sampler(cfg.sampler, models.tokenizer, autocast=torch.bfloat16).sample(models.policy, batch)
     assert not products
 

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from grpo_cli.losses import LossSettings, StepSize, grpo_loss, kl_k3, sequence_mean, token_entropy, token_log_probs
-from grpo_cli.sampling import completion_mask
+from grpo_cli.sampling.rollouts import completion_mask
 
 
 def paper(clip_eps: float = 0.2, beta: float = 0.0) -> LossSettings:

@@ -262,12 +262,12 @@ def test_beta_zero_or_lora_has_no_reference_and_a_schedule_uses_its_peak(tiny_mo
 @pytest.mark.parametrize("pack_all", [False, True])
 def test_fast_sampling_on_a_cpu_plans_the_weights_it_packs(tiny_model_dir, lora, pack_all, monkeypatch):
     import grpo_cli.memory
-    import grpo_cli.sampling.fast
+    import grpo_cli.sampling.packed
     from grpo_cli.models import load_models
-    from grpo_cli.sampling.fast import PackedLinears, packed_gemm_available
+    from grpo_cli.sampling.packed import PackedLinears, packed_gemm_available
 
     if pack_all:  # the tiny model's weights are all below the size the sampler packs
-        for module in (grpo_cli.memory, grpo_cli.sampling.fast):
+        for module in (grpo_cli.memory, grpo_cli.sampling.packed):
             monkeypatch.setattr(module, "PACK_MIN_WEIGHTS", 0)
     overrides = ("model.dtype=float32", *(LORA if lora else ()))
     plan = plan_memory(config(tiny_model_dir, *overrides), prompt_tokens=PROMPT, device="cpu")

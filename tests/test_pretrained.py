@@ -189,7 +189,7 @@ class _Part:
 
 def test_a_folder_another_process_finished_first_is_kept(tmp_path):
     # Two torchrun ranks convert at once: the one that renames second keeps the first's folder.
-    from grpo_cli.model_sources import save_folder_atomically
+    from grpo_cli.model_cache import save_folder_atomically
 
     folder = tmp_path / "cache" / "model"
 

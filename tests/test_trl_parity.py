@@ -119,7 +119,8 @@ def rollout_and_advantages(model):
     from grpo_cli.advantages import group_advantages
     from grpo_cli.models import load_models
     from grpo_cli.prompts import PromptSource
-    from grpo_cli.sampling import completion_mask, make_sampler
+    from grpo_cli.sampling import make_sampler
+    from grpo_cli.sampling.rollouts import completion_mask
 
     name, model_dir = model
     cfg = config(model_dir, "trainer.beta=0", "model.dtype=float32", *PROMPTS[name])

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from grpo_cli.models import load_models
-from grpo_cli.sampling import completion_mask
+from grpo_cli.sampling.rollouts import completion_mask
 from grpo_cli.update import completion_log_probs
 from helpers import config, one_step
 

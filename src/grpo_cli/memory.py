@@ -29,7 +29,7 @@ from grpo_cli.evaluation import EVAL_BATCH
 from grpo_cli.memory_formulas import (DTYPE_BYTES, Amount, forward_bytes, optimizer_bytes, reference_amount,
                                       sampling_amounts, update_amounts, weight_bytes)
 from grpo_cli.launch import launched_world_size
-from grpo_cli.sampling import PACK_MIN_WEIGHTS
+from grpo_cli.sampling.packed import PACK_MIN_WEIGHTS
 from grpo_cli.update import shared_prompt_pass_group
 
 __all__ = ["architecture_of", "plan_memory", "cheapest_fixes", "format_plan", "format_fixes", "MemoryPlan", "Row",

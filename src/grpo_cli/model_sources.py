@@ -8,17 +8,11 @@ file (converted once, grpo_cli.pretrained); a folder or hub id is returned as it
 
 from __future__ import annotations
 
-import os
-import shutil
-import tempfile
 from pathlib import Path
 
+from grpo_cli.model_cache import cache_root
+
 BUILTIN_PREFIX = "builtin:"
-
-
-def cache_root() -> Path:
-    """Where built and converted models live: $GRPO_CLI_CACHE, else ~/.cache/grpo-cli."""
-    return Path(os.environ.get("GRPO_CLI_CACHE", Path.home() / ".cache" / "grpo-cli"))
 
 
 def builtin_names() -> list[str]:
@@ -54,23 +48,3 @@ def resolve_model(name_or_path: str) -> str:
 
         return gguf_folder(path, cache_root())
     return name_or_path
-
-
-def save_folder_atomically(folder: Path, *parts) -> None:
-    """`save_pretrained` of each part (a model, a tokenizer) into a staging folder beside
-    `folder`, renamed to `folder` at the end: a killed save leaves no half folder behind, and a
-    folder another process finished first is kept."""
-    folder.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{folder.name}-", dir=folder.parent))
-    try:
-        for part in parts:
-            part.save_pretrained(staging)
-        try:
-            staging.rename(folder)
-        except OSError:
-            if not (folder / "config.json").is_file():
-                raise
-            shutil.rmtree(staging)  # another process (a torchrun rank) finished first: theirs
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise

@@ -119,7 +119,7 @@ def train(cfg: Any, place: Distributed) -> RunResult:
                 if cfg.sampler.adaptive.enabled:
                     adapt_group_size(cfg.sampler, state.adaptive, step, metrics, log)
                 if eval_rows and (final or (trainer.eval_every and step % trainer.eval_every == 0)):
-                    metrics.update(evaluate(parts, eval_rows))
+                    metrics.update(evaluate_policy(parts, eval_rows))
                     eval_after = metrics["eval/accuracy"]
                 if trainer.guard.enabled:  # before the checkpoint: a bad step is never saved as good
                     guard_step(trainer.guard, state, metrics, output_dir, log)
@@ -167,10 +167,16 @@ def open_log(cfg: Any, output_dir: Path, start_step: int, place: Distributed) ->
 
 def evaluate_before(parts: RunParts, eval_rows: list[dict[str, Any]], log: RunLogger | QuietLogger) -> float:
     """The greedy eval of the untrained policy: row 0 of metrics.jsonl, where every curve starts."""
-    before = evaluate(parts, eval_rows)
+    before = evaluate_policy(parts, eval_rows)
     log.print(f"Greedy eval before training: accuracy {before['eval/accuracy']:.3f} on {len(eval_rows)} prompts")
     log.log_step(0, before)
     return before["eval/accuracy"]
+
+
+def evaluate_policy(parts: RunParts, eval_rows: list[dict[str, Any]]) -> dict[str, float]:
+    trainer = parts.cfg.trainer
+    return evaluate(parts.models.policy, parts.sampler, parts.scorer, parts.prompts, eval_rows,
+                    seed=trainer.seed, pass_at_k=trainer.eval_pass_at_k)
 
 
 def adapt_group_size(sampler: Any, adaptive: AdaptiveGroupState, step: int, metrics: dict[str, Any],

@@ -381,6 +381,11 @@ class PromptSource:
             random.Random(f"{self.data.seed}-{epoch}").shuffle(order)
         return order
 
+    @property
+    def prompts_per_rank(self) -> int:
+        """The prompts of one batch on this rank: its share of data.prompts_per_step."""
+        return max(1, self.data.prompts_per_step // self.place.world_size)
+
     def next_batch(self) -> PromptBatch:
         picked = []
         while len(picked) < self.data.prompts_per_step:

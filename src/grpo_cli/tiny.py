@@ -24,7 +24,7 @@ import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 
-from grpo_cli.model_sources import save_folder_atomically
+from grpo_cli.model_cache import save_folder_atomically
 from grpo_cli.rewards.math import exact_match
 from grpo_cli.tasks import SYNTHETIC_TASKS
 

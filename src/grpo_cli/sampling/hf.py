@@ -7,7 +7,7 @@ import torch
 from grpo_cli.config import SamplerConfig
 from grpo_cli.models import autocast_to
 from grpo_cli.records import PromptBatch, Rollout
-from grpo_cli.sampling import repeated_prompts, rollout_from
+from grpo_cli.sampling.rollouts import repeated_prompts, rollout_from
 
 
 class HFSampler:

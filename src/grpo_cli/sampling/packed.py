@@ -1,0 +1,61 @@
+"""sampler=fast on a CPU: float32 linear layers multiplied by weights packed once per decode for
+MKL's GEMM (pure torch: the memory planner reads PACK_MIN_WEIGHTS without loading a sampler)."""
+
+from __future__ import annotations
+
+import torch
+
+# sampler=fast on a CPU packs a float32 linear weight for MKL's GEMM (PackedLinears) when it
+# has at least this many elements: smaller products run no faster packed (a [256, 128] weight:
+# 39 against 41 us), and the packing's allocations cost more than they save (the tiny default's
+# sampling took 3% longer with every weight packed). memory.py counts the same weights.
+PACK_MIN_WEIGHTS = 1 << 17
+
+
+def packed_gemm_available() -> bool:
+    """Whether this torch has MKL's packed GEMM ops (x86 builds with MKL)."""
+    return torch._C.has_mkl and hasattr(torch.ops.mkl, "_mkl_linear")
+
+
+class PackedLinears:
+    """A reusable `with` block within which the policy's float32 `nn.Linear` layers on the CPU,
+    of at least `min_weights` weights (default PACK_MIN_WEIGHTS), multiply by weights packed for
+    MKL's GEMM, once, for inputs of `rows` rows.
+
+    A decode step multiplies the same [rows, in] x [in, out] shapes at every token; MKL's packed
+    GEMM (the one torch.compile's CPU weight freezing uses) skips laying the weight out again at
+    each call. The results are the same (tests/test_fast_sampler.py); on the small bench model
+    (64 rows) sampling takes 9-15% less time (docs/BENCHMARKS.md). The weights change with every
+    optimizer step, so make one per decode; an input of another number of rows takes the plain
+    GEMM. It holds a packed copy of those weights (about their size) while it lives. Nothing is
+    packed without MKL, and a module whose forward is already replaced on the instance (hooks)
+    is left alone."""
+
+    def __init__(self, policy, rows: int, min_weights: int | None = None):
+        self.forwards = []
+        if not packed_gemm_available():
+            return
+        min_weights = PACK_MIN_WEIGHTS if min_weights is None else min_weights
+        for module in policy.modules():
+            weight = getattr(module, "weight", None)
+            if (type(module) is torch.nn.Linear and "forward" not in vars(module) and weight.numel() >= min_weights
+                    and weight.dtype == torch.float32 and weight.device.type == "cpu"):
+                self.forwards.append((module, packed_forward(weight.detach(), module.bias, rows)))
+
+    def __enter__(self):
+        for module, forward in self.forwards:
+            module.forward = forward
+
+    def __exit__(self, *exc):
+        for module, _ in self.forwards:
+            del module.forward
+
+
+def packed_forward(weight: torch.Tensor, bias: torch.Tensor | None, rows: int):
+    """inputs [..., in] -> inputs @ weight.T + bias, by MKL's GEMM with `weight` packed for `rows` rows."""
+    packed = torch.ops.mkl._mkl_reorder_linear_weight(weight, rows)
+    bias = None if bias is None else bias.detach()
+
+    def forward(inputs: torch.Tensor) -> torch.Tensor:
+        return torch.ops.mkl._mkl_linear(inputs, packed, weight, bias, rows)
+    return forward
