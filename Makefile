@@ -10,7 +10,7 @@ STAMP := $(VENV)/.installed
 # run `make TORCH=torch demo` (an installed torch satisfies the unpinned requirement).
 TORCH ?= torch==2.13.0
 
-.PHONY: install lock demo test test-fast clean
+.PHONY: install lock demo test test-fast lint clean
 
 # constraints.txt holds the exact versions the suite was checked on (transformers, peft,
 # bitsandbytes, trl and every package under them), so a fresh install next month installs
@@ -39,7 +39,12 @@ test: install
 	if [ $$status -eq 5 ]; then echo "make test: pytest collected no tests"; exit 1; fi; \
 	exit $$status
 
-test-fast: install
+# ruff first (configured in pyproject.toml): a lint or format slip fails in seconds, before the tests.
+lint: install
+	$(BIN)/ruff check src tests scripts
+	$(BIN)/ruff format --check src tests scripts
+
+test-fast: lint
 	$(BIN)/python -m pytest -m 'not slow'
 
 clean:

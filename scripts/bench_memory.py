@@ -27,19 +27,19 @@ import torch
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
-from grpo_cli.advantages import group_advantages
-from grpo_cli.architecture import architecture_from_block
+from grpo_cli.algorithm.advantages import group_advantages
+from grpo_cli.algorithm.losses import beta_at
+from grpo_cli.algorithm.optim import make_optimizer, make_scheduler
+from grpo_cli.algorithm.update import update_policy
 from grpo_cli.cli import config_dir
 from grpo_cli.config import beta_schedule
-from grpo_cli.losses import beta_at
-from grpo_cli.memory import GB
-from grpo_cli.memory_check import plan_for
-from grpo_cli.models import load_models, trainable_parameters
-from grpo_cli.optim import make_optimizer, make_scheduler
-from grpo_cli.prompts import PromptSource, train_and_eval_rows
+from grpo_cli.data.prompts import PromptSource, train_and_eval_rows
+from grpo_cli.models.loading import load_models, trainable_parameters
+from grpo_cli.models.sources import resolve_model
+from grpo_cli.planner.architecture import architecture_from_block
+from grpo_cli.planner.check import plan_for
+from grpo_cli.planner.memory import GB
 from grpo_cli.sampling import make_sampler
-from grpo_cli.model_sources import resolve_model
-from grpo_cli.update import update_policy
 
 GSM8K = Path(__file__).resolve().parents[2] / "shared" / "data" / "gsm8k" / "train.jsonl"
 MATH_PROMPTS = [f"data.path={GSM8K}", "data.prompt_field=question", "data.answer_field=answer", "data.eval_path=null"]

@@ -64,9 +64,9 @@ def bench_model(size: str) -> Path:
     import torch
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    from grpo_cli.model_sources import cache_root
-    from grpo_cli.tasks import addition_rows
-    from grpo_cli.tiny import train_tokenizer
+    from grpo_cli.data.tasks import addition_rows
+    from grpo_cli.models.sources import cache_root
+    from grpo_cli.models.tiny import train_tokenizer
 
     folder = cache_root() / f"bench-{size}-v{BUILD_VERSION}"
     if (folder / "config.json").is_file():
@@ -94,7 +94,7 @@ def bench_model(size: str) -> Path:
 
 
 def prompt_rows() -> list[dict[str, str]]:
-    from grpo_cli.tasks import addition_rows
+    from grpo_cli.data.tasks import addition_rows
 
     return addition_rows()[: PROMPTS * 4]
 
@@ -314,8 +314,8 @@ def compare_samplers(size: str, repeats: int, bf16: bool) -> dict[str, float]:
     """Median seconds of sampler=fast and sampler=hf (model.generate) on the same batch."""
     import torch
 
-    from grpo_cli.models import load_models
-    from grpo_cli.prompts import PromptSource
+    from grpo_cli.data.prompts import PromptSource
+    from grpo_cli.models.loading import load_models
     from grpo_cli.sampling import make_sampler
 
     medians = {}
@@ -403,9 +403,9 @@ def phase_times(size: str, repeats: int, shared: bool = True) -> list[tuple[str,
     machine reaches on a large matmul of the model's MLP shape."""
     import torch
 
-    from grpo_cli.losses import LossSettings, StepSize, grpo_loss
-    from grpo_cli.models import reference_model
-    from grpo_cli.update import completion_log_probs
+    from grpo_cli.algorithm.losses import LossSettings, StepSize, grpo_loss
+    from grpo_cli.algorithm.update import completion_log_probs
+    from grpo_cli.models.loading import reference_model
 
     passes_per_group = GROUP if shared else 1  # completion_log_probs' group_size: 1 = a pass per completion
     side = OurSide(bench_model(size), "fast")

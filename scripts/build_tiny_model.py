@@ -11,7 +11,7 @@ import argparse
 import dataclasses
 from pathlib import Path
 
-from grpo_cli.tiny import TINY_MODELS, build_tiny_model
+from grpo_cli.models.tiny import TINY_MODELS, build_tiny_model
 
 
 def main() -> None:

@@ -20,8 +20,8 @@ import time
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from grpo_cli.model_sources import resolve_model
-from grpo_cli.tasks import ARITHMETIC_TASKS, arithmetic_rows
+from grpo_cli.data.tasks import ARITHMETIC_TASKS, arithmetic_rows
+from grpo_cli.models.sources import resolve_model
 
 # conf/reward/arithmetic.yaml's layout: the number alone, or after the sum written out.
 WELL_FORMED = re.compile(r"\s*(\d+ ?[-+*] ?\d+ ?= ?)?\d+\.?\s*")

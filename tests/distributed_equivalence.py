@@ -12,16 +12,22 @@ import sys
 
 import torch
 
-from grpo_cli.advantages import group_advantages
-from grpo_cli.distributed import (SINGLE, broadcast_from_main, end_worker_process, join_process_group,
-                                  leave_process_group, wrap_for_training)
-from grpo_cli.dynamic import select_rows
-from grpo_cli.models import load_models, trainable_parameters
-from grpo_cli.optim import make_optimizer, make_scheduler
-from grpo_cli.prompts import PromptSource
+from grpo_cli.algorithm.advantages import group_advantages
+from grpo_cli.algorithm.optim import make_optimizer, make_scheduler
+from grpo_cli.algorithm.update import update_policy
+from grpo_cli.data.prompts import PromptSource
+from grpo_cli.distributed import (
+    SINGLE,
+    broadcast_from_main,
+    end_worker_process,
+    join_process_group,
+    leave_process_group,
+    wrap_for_training,
+)
+from grpo_cli.models.loading import load_models, trainable_parameters
 from grpo_cli.records import Advantages
+from grpo_cli.safety.dynamic import select_rows
 from grpo_cli.sampling import make_sampler
-from grpo_cli.update import update_policy
 from helpers import config
 
 PROMPTS, GROUP = 4, 4  # 16 completions: 8 per rank, in micro-batches of 4 (gradient accumulation)

@@ -101,9 +101,9 @@ class OneStep(NamedTuple):
     """What one_step did: the models after it, what it trained on, and how many trainable
     parameter tensors the update changed, of how many."""
 
-    models: Any  # grpo_cli.models.Models
+    models: Any  # grpo_cli.models.loading.Models
     rollout: Any  # grpo_cli.records.Rollout
-    stats: Any  # grpo_cli.update.UpdateStats
+    stats: Any  # grpo_cli.algorithm.update.UpdateStats
     changed: int
     parameters: int
 
@@ -115,14 +115,14 @@ def one_step(cfg, edit_rollout=None) -> OneStep:
     """
     import torch
 
-    from grpo_cli.advantages import group_advantages
+    from grpo_cli.algorithm.advantages import group_advantages
+    from grpo_cli.algorithm.losses import beta_at
+    from grpo_cli.algorithm.optim import make_optimizer, make_scheduler
+    from grpo_cli.algorithm.update import update_policy
     from grpo_cli.config import beta_schedule
-    from grpo_cli.losses import beta_at
-    from grpo_cli.models import load_models, trainable_parameters
-    from grpo_cli.optim import make_optimizer, make_scheduler
-    from grpo_cli.prompts import PromptSource
+    from grpo_cli.data.prompts import PromptSource
+    from grpo_cli.models.loading import load_models, trainable_parameters
     from grpo_cli.sampling import make_sampler
-    from grpo_cli.update import update_policy
 
     torch.manual_seed(0)
     betas = beta_schedule(cfg.trainer.beta)
@@ -150,8 +150,8 @@ def token_counts(model_dir, backend: str, temperature: float, samples: int, seed
 
     import torch
 
-    from grpo_cli.models import load_models
-    from grpo_cli.prompts import PromptSource
+    from grpo_cli.data.prompts import PromptSource
+    from grpo_cli.models.loading import load_models
     from grpo_cli.sampling import make_sampler
 
     cfg = config(model_dir, f"sampler.backend={backend}", "data.prompts_per_step=1", f"sampler.group_size={samples}",

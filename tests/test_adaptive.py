@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import pytest
 
-from grpo_cli.adaptive import AdaptiveGroupState, next_group_size
 from grpo_cli.config import AdaptiveGroupConfig, ConfigError
 from grpo_cli.logs import SAMPLES_FILE, read_metrics
 from grpo_cli.pipeline import run
+from grpo_cli.safety.adaptive import AdaptiveGroupState, next_group_size
 from grpo_cli.validation import validate
 from helpers import config
 

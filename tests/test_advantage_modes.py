@@ -13,7 +13,7 @@ import math
 import pytest
 import torch
 
-from grpo_cli.advantages import combine_rewards, group_advantages
+from grpo_cli.algorithm.advantages import combine_rewards, group_advantages
 
 NO_EPS = dict(std_eps=0.0, std_threshold=1e-4)
 

@@ -2,7 +2,7 @@ import math
 
 import torch
 
-from grpo_cli.advantages import group_advantages
+from grpo_cli.algorithm.advantages import group_advantages
 
 
 def test_group_size_two_gives_plus_minus_one_over_sqrt_two():

@@ -11,10 +11,10 @@ import torch
 from hydra import compose, initialize_config_dir
 
 from grpo_cli.cli import config_dir
+from grpo_cli.data.tasks import SYNTHETIC_TASKS, arithmetic_rows
 from grpo_cli.logs import read_metrics
-from grpo_cli.models import load_models, resolve_autocast
+from grpo_cli.models.loading import load_models, resolve_autocast
 from grpo_cli.rewards.api import RewardScorer
-from grpo_cli.tasks import SYNTHETIC_TASKS, arithmetic_rows
 from helpers import config, grpo_train
 
 PROBLEM = re.compile(r"What is (\d+) ([-+*]) (\d+)\?")

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from grpo_cli.config import ConfigError
-from grpo_cli.prompts import train_and_eval_rows
+from grpo_cli.data.prompts import train_and_eval_rows
 from grpo_cli.validation import validate
 from helpers import config, input_error
 

@@ -75,7 +75,6 @@ def test_a_qlora_run_with_evals_and_checkpoints_is_the_same_on_an_avx512_bf16_cp
     """The whole loop (greedy evals before and after, sampling, updates, checkpoints), as
     `grpo-train model.lora.enabled=true model.quantization=4bit` runs it, with a reward that gives
     every step a gradient: the forced run's metrics and adapter equal this CPU's exactly."""
-    import bitsandbytes.nn.modules
 
     def two_steps(folder):
         run(config(tiny_model_dir, *QLORA, ALTERNATING_REWARD, "trainer.steps=2", "data.eval_size=4", "trainer.eval_every=1",

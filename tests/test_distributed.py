@@ -21,8 +21,14 @@ from transformers import AutoModelForCausalLM
 
 from grpo_cli.checkpoint import load_trainer_state
 from grpo_cli.config import ConfigError
-from grpo_cli.distributed import (Distributed, launched_world_size, local_share, reduce_metrics, reduction_of,
-                                  sampling_seed)
+from grpo_cli.distributed import (
+    Distributed,
+    launched_world_size,
+    local_share,
+    reduce_metrics,
+    reduction_of,
+    sampling_seed,
+)
 from grpo_cli.logs import read_metrics
 from grpo_cli.validation import validate
 from helpers import ALTERNATING_REWARD, TESTS_DIR, computed_rows, config, grpo_train, input_error

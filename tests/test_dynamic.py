@@ -8,10 +8,10 @@ import zlib
 
 import torch
 
-from grpo_cli.dynamic import fill_informative_groups
 from grpo_cli.logs import read_metrics
 from grpo_cli.pipeline import run
 from grpo_cli.records import Rewards, Rollout
+from grpo_cli.safety.dynamic import fill_informative_groups
 from helpers import config
 
 GROUP = 2

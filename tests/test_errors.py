@@ -337,7 +337,7 @@ def test_resume_with_the_same_set_up_passes(tmp_path):
 
 
 def test_cuda_requested_on_a_machine_without_it(monkeypatch):
-    from grpo_cli.models import resolve_device
+    from grpo_cli.models.loading import resolve_device
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     with pytest.raises(ConfigError, match="trainer.device=cuda, but torch sees no CUDA device"):
@@ -345,7 +345,7 @@ def test_cuda_requested_on_a_machine_without_it(monkeypatch):
 
 
 def test_a_cuda_index_beyond_the_devices(monkeypatch):
-    from grpo_cli.models import resolve_device
+    from grpo_cli.models.loading import resolve_device
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
@@ -362,7 +362,7 @@ def test_a_reward_target_that_does_not_import():
 
 
 def test_an_optimizer_target_that_does_not_import():
-    from grpo_cli.optim import make_optimizer
+    from grpo_cli.algorithm.optim import make_optimizer
 
     cfg = make("optimizer._target_=torch.optim.Adamw")
     with pytest.raises(ConfigError, match="optimizer._target_=torch.optim.Adamw: cannot import it"):
@@ -370,7 +370,7 @@ def test_an_optimizer_target_that_does_not_import():
 
 
 def test_lora_target_modules_the_model_does_not_have(tiny_model_dir):
-    from grpo_cli.models import load_models
+    from grpo_cli.models.loading import load_models
 
     cfg = make(f"model.name_or_path={tiny_model_dir}", "model.lora.enabled=true", "model.lora.target_modules=[qkv]")
     with pytest.raises(ConfigError) as caught:
@@ -382,7 +382,7 @@ def test_lora_target_modules_the_model_does_not_have(tiny_model_dir):
 def test_quantization_without_bitsandbytes(monkeypatch):
     import importlib.util
 
-    from grpo_cli.models import _quantization_config
+    from grpo_cli.models.loading import _quantization_config
 
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "bitsandbytes" else real(name, *a))
@@ -394,7 +394,7 @@ def test_quantization_without_bitsandbytes(monkeypatch):
 def test_a_tokenizer_without_pad_token_pads_with_eos_and_warns(tiny_model_dir):
     from transformers import AutoTokenizer
 
-    from grpo_cli.models import fix_special_tokens  # load_models calls it on every tokenizer
+    from grpo_cli.models.loading import fix_special_tokens  # load_models calls it on every tokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir, pad_token=None)  # as Llama's ships
     assert tokenizer.pad_token is None
@@ -408,7 +408,7 @@ def test_a_tokenizer_without_pad_token_pads_with_eos_and_warns(tiny_model_dir):
 def test_a_tokenizer_without_eos_token(tiny_model_dir):
     from transformers import AutoTokenizer
 
-    from grpo_cli.models import fix_special_tokens
+    from grpo_cli.models.loading import fix_special_tokens
 
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
     tokenizer.eos_token = None

@@ -10,19 +10,18 @@ from collections import Counter
 import pytest
 import torch
 
-from grpo_cli.models import load_models
-from grpo_cli.prompts import PromptSource
+from grpo_cli.data.prompts import PromptSource
+from grpo_cli.models.loading import load_models
 from grpo_cli.sampling import Sampler, make_sampler
 from grpo_cli.sampling.fast import FastSampler, draw, next_token_scores, runs_layer_by_layer, single_query_attention
-from grpo_cli.sampling.packed import PackedLinears, packed_gemm_available
 from grpo_cli.sampling.hf import HFSampler
+from grpo_cli.sampling.packed import PackedLinears, packed_gemm_available
 from helpers import config, homogeneity_p_value, multinomial_draw, token_counts
 
 
 @pytest.mark.parametrize("temperature, top_k, top_p", [(1.0, 0, 1.0), (0.7, 5, 1.0), (1.3, 0, 0.8), (0.9, 20, 0.5)])
 def test_the_scores_are_transformers_warpers(temperature, top_k, top_p):
-    from transformers.generation.logits_process import (TemperatureLogitsWarper, TopKLogitsWarper,
-                                                        TopPLogitsWarper)
+    from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
     torch.manual_seed(0)
     logits = torch.randn(16, 300) * 3
@@ -138,7 +137,7 @@ def test_sampling_with_packed_weights_draws_from_the_same_distribution(tiny_mode
         return drawn[len(scores[packing]) - 1]
 
     for packing in (True, False):
-        monkeypatch.setattr(packed, "packed_gemm_available", lambda: packing)
+        monkeypatch.setattr(packed, "packed_gemm_available", lambda packing=packing: packing)
         torch.manual_seed(0)
         with monkeypatch.context() as patch:
             patch.setattr(fast, "draw", replaying_draw)
@@ -152,7 +151,7 @@ def test_sampling_with_packed_weights_draws_from_the_same_distribution(tiny_mode
     assert len(scores[True]) == len(scores[False]) == 12
     for step, (packed_scores, plain_scores) in enumerate(zip(scores[True], scores[False])):
         torch.testing.assert_close(packed_scores, plain_scores, rtol=1e-4, atol=1e-4,
-                                   msg=lambda message: f"step {step}: {message}")
+                                   msg=lambda message, step=step: f"step {step}: {message}")
     assert not any("forward" in vars(module) for module in models.policy.modules())
     # Under autocast the layers must cast as autocast does: nothing is packed.
     products.clear()

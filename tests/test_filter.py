@@ -23,7 +23,7 @@ from omegaconf import OmegaConf
 
 from grpo_cli.cli import config_dir
 from grpo_cli.config import ConfigError
-from grpo_cli.prompt_filter import KEPT, TOO_EASY, TOO_HARD, classify, filter_file, output_paths, write_atomically
+from grpo_cli.tools.prompt_filter import KEPT, TOO_EASY, TOO_HARD, classify, filter_file, output_paths, write_atomically
 from helpers import ALTERNATING_REWARD, TESTS_DIR, config, input_error, run_script
 
 ROWS = [  # interleaved, with fields the filter must copy as they are (nested, non-ASCII, numbers)

@@ -10,9 +10,9 @@ import torch
 
 from grpo_cli.checkpoint import save_checkpoint
 from grpo_cli.config import GuardConfig
-from grpo_cli.guard import GuardState, GuardStop, roll_back, rollback_reason
 from grpo_cli.logs import read_metrics
 from grpo_cli.pipeline import run
+from grpo_cli.safety.guard import GuardState, GuardStop, roll_back, rollback_reason
 from helpers import ALTERNATING_REWARD, computed_rows, config
 
 FINE = {"loss": 0.1, "grad_norm": 1.0, "kl": 0.01, "skipped_updates": 0}
@@ -43,9 +43,9 @@ def test_reward_drop_is_measured_on_the_window_against_its_best():
 
 @pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
 def test_roll_back_restores_the_checkpoint_weights_and_raises_beta(tmp_path, tiny_model_dir, lora):
-    from grpo_cli.adaptive import AdaptiveGroupState
-    from grpo_cli.models import load_models, trainable_parameters
-    from grpo_cli.optim import make_optimizer, make_scheduler
+    from grpo_cli.algorithm.optim import make_optimizer, make_scheduler
+    from grpo_cli.models.loading import load_models, trainable_parameters
+    from grpo_cli.safety.adaptive import AdaptiveGroupState
     from grpo_cli.state import TrainState
 
     cfg = config(tiny_model_dir, f"model.lora.enabled={lora}")
@@ -89,7 +89,7 @@ def test_a_run_rolls_back_doubles_beta_and_stops_with_a_report(tmp_path, tiny_mo
 def test_a_nan_step_never_reaches_the_weights(tiny_model_dir, monkeypatch):
     # The loss of every micro-batch is made NaN: the gradient is NaN, update.py sees it before
     # optimizer.step, skips the step and counts it; no weight changes.
-    import grpo_cli.update as update_module
+    import grpo_cli.algorithm.update as update_module
     from helpers import one_step
 
     original = update_module.grpo_loss

@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from grpo_cli.health import correlation_with_step, health_warnings
+from grpo_cli.safety.health import correlation_with_step, health_warnings
 
 HEALTHY = {"advantage/zero_std_fraction": 0.25, "completion/truncated_fraction": 0.05}
 
@@ -81,7 +81,7 @@ def test_eval_only_rows_and_missing_values_are_ignored():
 
 
 def test_the_newest_rows_decide_so_the_logger_passes_only_those():
-    from grpo_cli.health import HISTORY_NEEDED
+    from grpo_cli.safety.health import HISTORY_NEEDED
 
     history = rows(100, kl=[0.01 * (1 + 0.2 * i) for i in range(100)])
     assert health_warnings(history[-HISTORY_NEEDED:]) == health_warnings(history)

@@ -3,7 +3,15 @@ import math
 import pytest
 import torch
 
-from grpo_cli.losses import LossSettings, StepSize, grpo_loss, kl_k3, sequence_mean, token_entropy, token_log_probs
+from grpo_cli.algorithm.losses import (
+    LossSettings,
+    StepSize,
+    grpo_loss,
+    kl_k3,
+    sequence_mean,
+    token_entropy,
+    token_log_probs,
+)
 from grpo_cli.sampling.rollouts import completion_mask
 
 

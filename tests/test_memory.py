@@ -18,11 +18,11 @@ import pytest
 import torch
 from hydra import compose, initialize_config_dir
 
-from grpo_cli.architecture import Weight, architecture_of, lora_weights, model_weights, parameter_count
 from grpo_cli.cli import config_dir
 from grpo_cli.config import ConfigError, beta_schedule
-from grpo_cli.memory import GB, cheapest_fixes, format_fixes, format_plan, plan_memory
-from grpo_cli.memory_formulas import int8_bytes, nf4_bytes, optimizer_bytes
+from grpo_cli.planner.architecture import Weight, architecture_of, lora_weights, model_weights, parameter_count
+from grpo_cli.planner.formulas import int8_bytes, nf4_bytes, optimizer_bytes
+from grpo_cli.planner.memory import GB, cheapest_fixes, format_fixes, format_plan, plan_memory
 from helpers import TESTS_DIR, config
 from shared_data import shared_file
 
@@ -95,9 +95,9 @@ def real_optimizer_bytes(optimizer: torch.optim.Optimizer) -> int:
 
 @pytest.mark.parametrize("mode", MODES)
 def test_plan_equals_the_real_tensors_of_the_tiny_model(tiny_model_dir, mode):
-    from grpo_cli.models import load_models, trainable_parameters
-    from grpo_cli.optim import make_optimizer
-    from grpo_cli.update import completion_log_probs
+    from grpo_cli.algorithm.optim import make_optimizer
+    from grpo_cli.algorithm.update import completion_log_probs
+    from grpo_cli.models.loading import load_models, trainable_parameters
 
     cfg = config(tiny_model_dir, "trainer.beta=0.04", *MODES[mode])
     plan = plan_memory(cfg, prompt_tokens=PROMPT, device="cpu")
@@ -138,8 +138,8 @@ def test_the_shared_prompt_pass_keeps_what_the_plan_counts(tiny_model_dir):
     # values repeated for each completion's attention. Measured (with the logits): the plan is
     # 3.4% above what autograd keeps here, 1.0% on SmolLM2 (P = 109, T = 64, G = 8); the plan of
     # one pass per completion (8 x 40 tokens) would be 38% above it here.
-    from grpo_cli.models import load_models
-    from grpo_cli.update import completion_log_probs
+    from grpo_cli.algorithm.update import completion_log_probs
+    from grpo_cli.models.loading import load_models
 
     cfg = config(tiny_model_dir, "data.prompts_per_step=2", "sampler.group_size=4", f"sampler.max_new_tokens={NEW}")
     policy = load_models(cfg.model, 0.0, torch.device("cpu")).policy
@@ -261,13 +261,13 @@ def test_beta_zero_or_lora_has_no_reference_and_a_schedule_uses_its_peak(tiny_mo
 @pytest.mark.parametrize("lora", [False, True])
 @pytest.mark.parametrize("pack_all", [False, True])
 def test_fast_sampling_on_a_cpu_plans_the_weights_it_packs(tiny_model_dir, lora, pack_all, monkeypatch):
-    import grpo_cli.memory
+    import grpo_cli.planner.memory
     import grpo_cli.sampling.packed
-    from grpo_cli.models import load_models
+    from grpo_cli.models.loading import load_models
     from grpo_cli.sampling.packed import PackedLinears, packed_gemm_available
 
     if pack_all:  # the tiny model's weights are all below the size the sampler packs
-        for module in (grpo_cli.memory, grpo_cli.sampling.packed):
+        for module in (grpo_cli.planner.memory, grpo_cli.sampling.packed):
             monkeypatch.setattr(module, "PACK_MIN_WEIGHTS", 0)
     overrides = ("model.dtype=float32", *(LORA if lora else ()))
     plan = plan_memory(config(tiny_model_dir, *overrides), prompt_tokens=PROMPT, device="cpu")
@@ -346,13 +346,13 @@ def test_format_plan_is_a_table_with_the_peak_and_the_verdict(tiny_model_dir):
 RSS_CHILD = """
 import json, sys, torch
 from helpers import config
-from grpo_cli.advantages import group_advantages
-from grpo_cli.memory import plan_memory
-from grpo_cli.models import load_models, trainable_parameters
-from grpo_cli.optim import make_optimizer, make_scheduler
-from grpo_cli.prompts import PromptSource
+from grpo_cli.algorithm.advantages import group_advantages
+from grpo_cli.planner.memory import plan_memory
+from grpo_cli.models.loading import load_models, trainable_parameters
+from grpo_cli.algorithm.optim import make_optimizer, make_scheduler
+from grpo_cli.data.prompts import PromptSource
 from grpo_cli.sampling import make_sampler
-from grpo_cli.update import update_policy
+from grpo_cli.algorithm.update import update_policy
 
 torch.set_num_threads(2)  # as OMP_NUM_THREADS: the CI machines' 2 cores, whatever this one has
 

@@ -10,11 +10,11 @@ import pytest
 import torch
 
 from grpo_cli import pipeline
-from grpo_cli.architecture import architecture_from_block, architecture_of
 from grpo_cli.config import ConfigError
-from grpo_cli.models import local_tokenizer_and_context
-from grpo_cli.memory_check import PLAN_FILE, check_memory, memory_budget, plan_for
-from grpo_cli.prompts import PromptSource, train_and_eval_rows
+from grpo_cli.data.prompts import PromptSource, train_and_eval_rows
+from grpo_cli.models.loading import local_tokenizer_and_context
+from grpo_cli.planner.architecture import architecture_from_block, architecture_of
+from grpo_cli.planner.check import PLAN_FILE, check_memory, memory_budget, plan_for
 from helpers import config, grpo_train, input_error, load_script
 
 
@@ -124,8 +124,8 @@ def test_the_gpu_memory_bench_builds_a_preset_shaped_model_the_plan_counts_exact
     # its CPU path are checked here, so the GPU run does not fail on a rotted script.
     from omegaconf import OmegaConf
 
-    from grpo_cli.architecture import model_weights, parameter_count
-    from grpo_cli.models import load_models
+    from grpo_cli.models.loading import load_models
+    from grpo_cli.planner.architecture import model_weights, parameter_count
 
     bench = load_script("bench_memory")
     block = OmegaConf.create({"model_type": "llama", "hidden_size": 64, "intermediate_size": 96,

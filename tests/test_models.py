@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from grpo_cli.models import reference_model
-from grpo_cli.update import completion_log_probs
+from grpo_cli.algorithm.update import completion_log_probs
+from grpo_cli.models.loading import reference_model
 from helpers import config, one_step
 
 

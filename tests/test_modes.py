@@ -13,16 +13,16 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from grpo_cli.advantages import group_advantages
+from grpo_cli.algorithm.advantages import group_advantages
+from grpo_cli.algorithm.losses import beta_at
+from grpo_cli.algorithm.optim import make_optimizer, make_scheduler
+from grpo_cli.algorithm.update import update_policy
 from grpo_cli.config import ConfigError, beta_schedule
+from grpo_cli.data.prompts import PromptSource
 from grpo_cli.logs import read_metrics
-from grpo_cli.losses import beta_at
-from grpo_cli.models import load_models, trainable_parameters
-from grpo_cli.optim import make_optimizer, make_scheduler
+from grpo_cli.models.loading import load_models, trainable_parameters
 from grpo_cli.pipeline import run
-from grpo_cli.prompts import PromptSource
 from grpo_cli.sampling import make_sampler
-from grpo_cli.update import update_policy
 from grpo_cli.validation import validate
 from helpers import ALTERNATING_REWARD, alternating_reward, config
 

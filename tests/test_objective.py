@@ -1,7 +1,7 @@
 """The loss against a literal, readable transcription of the GRPO objective (DeepSeekMath eq. 3
 with the DAPO / Dr. GRPO / RLOO variants selected by keys), written with explicit loops over
 sequences i and tokens t so that each line can be read against the paper. The vectorized code in
-grpo_cli.losses / grpo_cli.advantages must agree with it in value and in gradient (float64).
+grpo_cli.algorithm.losses / grpo_cli.algorithm.advantages must agree with it in value and in gradient (float64).
 
     J = sum_i w_i sum_t m_it [ min(rho_it A_i, clip(rho_it, 1 - eps_low, 1 + eps_high) A_i)
                                - beta KL_it ]
@@ -21,8 +21,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from grpo_cli.advantages import group_advantages
-from grpo_cli.losses import (
+from grpo_cli.algorithm.advantages import group_advantages
+from grpo_cli.algorithm.losses import (
     BetaSchedule,
     LossSettings,
     StepSize,

@@ -7,7 +7,7 @@ import pytest
 import torch
 from transformers import get_scheduler
 
-from grpo_cli.optim import make_scheduler
+from grpo_cli.algorithm.optim import make_scheduler
 from helpers import config
 
 TRANSFORMERS_NAMES = {"constant": "constant_with_warmup", "linear": "linear", "cosine": "cosine"}

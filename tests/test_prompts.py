@@ -17,8 +17,8 @@ import pytest
 import torch
 
 from grpo_cli.config import ConfigError, DataConfig
-from grpo_cli.prompts import PromptSource, data_problems, read_rows, train_and_eval_rows
-from grpo_cli.tasks import addition_rows
+from grpo_cli.data.prompts import PromptSource, data_problems, read_rows, train_and_eval_rows
+from grpo_cli.data.tasks import addition_rows
 
 ROWS = [
     {"id": 0, "question": "What is 1 + 1?", "solution": "2"},
@@ -31,7 +31,7 @@ ROWS = [
 
 @pytest.fixture(scope="module")
 def tokenizer():
-    from grpo_cli.tiny import train_tokenizer
+    from grpo_cli.models.tiny import train_tokenizer
 
     texts = [row["question"] for row in ROWS] + ["Question: what is 3 + 4? Answer: 7", "Be brief."]
     return train_tokenizer(texts, 300)

@@ -11,11 +11,20 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from grpo_cli.models import load_models
-from grpo_cli.prompts import PromptSource
+from grpo_cli.data.prompts import PromptSource
+from grpo_cli.models.loading import load_models
 from grpo_cli.sampling import make_sampler
-from helpers import (ALTERNATING_REWARD, TESTS_DIR, config, grpo_train, homogeneity_p_value, multinomial_draw,
-                     one_step, run_script, token_counts)
+from helpers import (
+    ALTERNATING_REWARD,
+    TESTS_DIR,
+    config,
+    grpo_train,
+    homogeneity_p_value,
+    multinomial_draw,
+    one_step,
+    run_script,
+    token_counts,
+)
 
 QUESTIONS = ["What is 2 + 3?", "What is 7 + 5?", "What is 14 + 23?", "What is 9 + 9?"]
 SYSTEM = "You are a calculator. Reply with the number only."

@@ -10,8 +10,7 @@ import math
 
 import pytest
 
-from grpo_cli.rewards.remote_call import (
-    MAX_DEPTH, Remote, RemoteError, WireError, _as_plain, _rebuilt, decode, encode)
+from grpo_cli.rewards.remote_call import MAX_DEPTH, Remote, RemoteError, WireError, _as_plain, _rebuilt, decode, encode
 
 
 def _refuse(value, depth):

@@ -116,9 +116,9 @@ def rollout_and_advantages(model):
     """One rollout of 2 prompts x 4 completions of 4 tokens from grpo_cli's sampler, edited so the
     aggregations differ (completions of 1 to 4 tokens) and the positions matter (prompt 1 loses
     its first 3 tokens to left padding), and fixed advantages with unequal magnitudes."""
-    from grpo_cli.advantages import group_advantages
-    from grpo_cli.models import load_models
-    from grpo_cli.prompts import PromptSource
+    from grpo_cli.algorithm.advantages import group_advantages
+    from grpo_cli.data.prompts import PromptSource
+    from grpo_cli.models.loading import load_models
     from grpo_cli.sampling import make_sampler
     from grpo_cli.sampling.rollouts import completion_mask
 
@@ -150,9 +150,9 @@ def rollout_and_advantages(model):
 def _ours(model, rollout, advantages, aggregation: str, micro_batch_size: int):
     """grpo_cli's loss and gradient norm before clipping (update_policy also steps its optimizer,
     on its own fresh model, which nothing here uses afterwards)."""
-    from grpo_cli.models import load_models, trainable_parameters
-    from grpo_cli.optim import make_optimizer, make_scheduler
-    from grpo_cli.update import update_policy
+    from grpo_cli.algorithm.optim import make_optimizer, make_scheduler
+    from grpo_cli.algorithm.update import update_policy
+    from grpo_cli.models.loading import load_models, trainable_parameters
 
     name, model_dir = model
     cfg = config(
@@ -228,7 +228,7 @@ def test_loss_and_gradient_equal_trl(baseline, model, tmp_path, rollout_and_adva
 def test_the_aggregations_differ_on_this_rollout(rollout_and_advantages):
     """The parity cases are not vacuous: on the edited rollout (lengths 1..4) the three
     aggregations of the same per-token values give three different numbers."""
-    from grpo_cli.losses import StepSize, aggregate
+    from grpo_cli.algorithm.losses import StepSize, aggregate
 
     rollout, _ = rollout_and_advantages
     mask = rollout.completion_mask

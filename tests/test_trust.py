@@ -23,11 +23,17 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from grpo_cli.checkpoint import (STATE_FILE, CheckpointError, checkpoint_damage, load_trainer_state, save_checkpoint,
-                                 set_rng_state)
+from grpo_cli.checkpoint import (
+    STATE_FILE,
+    CheckpointError,
+    checkpoint_damage,
+    load_trainer_state,
+    save_checkpoint,
+    set_rng_state,
+)
 from grpo_cli.config import ConfigError
 from grpo_cli.logs import read_metrics
-from grpo_cli.models import load_models
+from grpo_cli.models.loading import load_models
 from grpo_cli.pipeline import run
 from grpo_cli.rewards.api import RewardScorer, build_reward_functions, call_reward
 from grpo_cli.run_lock import hold_run_folder

@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from grpo_cli.models import load_models
+from grpo_cli.algorithm.update import completion_log_probs
+from grpo_cli.models.loading import load_models
 from grpo_cli.sampling.rollouts import completion_mask
-from grpo_cli.update import completion_log_probs
 from helpers import config, one_step
 
 
@@ -217,7 +217,7 @@ def test_an_update_with_the_shared_prompt_pass_equals_one_without(tiny_model_dir
 def test_a_micro_batch_keeps_only_the_columns_its_rows_use():
     # Prompts left-padded to 3 columns, the first used by neither row; completions padded to 3
     # positions, the longest of these rows ending (EOS = 9) at the second.
-    from grpo_cli.update import micro_batch
+    from grpo_cli.algorithm.update import micro_batch
 
     prompt_ids, prompt_mask = torch.tensor([[0, 0, 5], [0, 6, 7], [4, 4, 4]]), torch.tensor([[0, 0, 1], [0, 1, 1], [1, 1, 1]])
     completion_ids, mask = torch.tensor([[9, 0, 0], [3, 9, 0], [3, 3, 3]]), torch.tensor([[1, 0, 0], [1, 1, 0], [1, 1, 1]])
@@ -269,7 +269,7 @@ def test_a_model_without_a_repeatable_cache_takes_one_pass_per_completion(tiny_m
 
 
 def test_the_prompt_pass_is_shared_by_whole_groups_in_one_process():
-    from grpo_cli.update import shared_prompt_pass_group
+    from grpo_cli.algorithm.update import shared_prompt_pass_group
 
     assert shared_prompt_pass_group(True, 16, 8, False) == 8  # two whole groups per micro-batch
     assert shared_prompt_pass_group(True, 4, 8, False) == 1  # half a group

@@ -16,14 +16,15 @@ import difflib
 import os
 import re
 import sys
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any, Callable, Iterator, NoReturn
+from typing import Any, NoReturn
 
 import hydra
 import hydra._internal.utils as hydra_internal
 from hydra.core.hydra_config import HydraConfig
-from hydra.types import RunMode
 from hydra.errors import CompactHydraException, MissingConfigException, OverrideParseException
+from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf, open_dict
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException, ValidationError
 from rich.console import Console
@@ -57,7 +58,7 @@ def train(cfg: DictConfig) -> None:
 @hydra.main(version_base="1.3", config_path=config_dir(), config_name="config")
 def filter_prompts(cfg: DictConfig) -> None:
     with _command(cfg):
-        from grpo_cli.prompt_filter import filter_file
+        from grpo_cli.tools.prompt_filter import filter_file
 
         filter_file(cfg)
 

@@ -11,7 +11,7 @@ fields (group size >= 2, batch divisibility, files that must exist) live in
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields, is_dataclass
-from typing import Any, List, NamedTuple, Optional
+from typing import Any, NamedTuple, Optional
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, OmegaConf
@@ -40,7 +40,7 @@ class LoraConfig:
     """LoRA scaling numerator (scale = alpha / r)."""
     dropout: float = 0.05
     """Adapter dropout; only in effect with model.disable_dropout=false."""
-    target_modules: List[str] = field(
+    target_modules: list[str] = field(
         default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"]
     )
     """Module names to adapt, or ["all-linear"]."""
@@ -161,11 +161,11 @@ class SamplerConfig:
 
 @dataclass
 class RewardConfig:
-    functions: List[Any] = field(
+    functions: list[Any] = field(
         default_factory=lambda: [{"_target_": "grpo_cli.rewards.exact_match", "weight": 1.0}]
     )
     """Reward functions: each `{_target_: module.function, weight: w, ...its own keyword args}`."""
-    clip: Optional[List[float]] = None
+    clip: Optional[list[float]] = None
     """[low, high]: clamp each function's scores to this range before weighting (null: no clip)."""
     max_error_fraction: float = 0.5
     """Stop the run when one function's scores are lost (it raised, returned a wrong length or a
@@ -187,7 +187,7 @@ class OptimizerConfig:
     """Any torch-style optimizer class: called as cls(params, lr=, weight_decay=, betas=, **kwargs)."""
     lr: float = 1e-6
     weight_decay: float = 0.0
-    betas: List[float] = field(default_factory=lambda: [0.9, 0.999])
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
     kwargs: Any = field(default_factory=dict)
     """Extra keyword arguments for the optimizer class (e.g. {eps: 1e-6})."""
     max_grad_norm: float = 1.0

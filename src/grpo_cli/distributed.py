@@ -264,8 +264,7 @@ def full_states(policy: torch.nn.Module, optimizer: torch.optim.Optimizer,
     model state is None (save_pretrained reads the model itself) and the optimizer's own."""
     if not is_sharded(place):
         return None, optimizer.state_dict()
-    from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
-                                                         get_optimizer_state_dict)
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
 
     options = StateDictOptions(full_state_dict=True, cpu_offload=True)
     return get_model_state_dict(policy, options=options), get_optimizer_state_dict(policy, optimizer, options=options)

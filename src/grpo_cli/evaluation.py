@@ -12,7 +12,7 @@ import torch
 from grpo_cli.distributed import sum_over_ranks
 
 if TYPE_CHECKING:
-    from grpo_cli.prompts import PromptSource
+    from grpo_cli.data.prompts import PromptSource
     from grpo_cli.rewards.api import RewardScorer
     from grpo_cli.sampling import Sampler
 

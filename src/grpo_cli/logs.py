@@ -22,7 +22,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from grpo_cli.console import plain_line, samples_table, samples_text, status_panel
-from grpo_cli.health import HISTORY_NEEDED, health_warnings
+from grpo_cli.safety.health import HISTORY_NEEDED, health_warnings
 
 if TYPE_CHECKING:  # read_metrics is used by grpo-report, which should not wait for torch to import
     from grpo_cli.config import LoggerConfig

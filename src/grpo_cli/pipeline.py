@@ -16,32 +16,44 @@ from typing import Any, Optional
 import torch
 from omegaconf import OmegaConf
 
-from grpo_cli.adaptive import AdaptiveGroupState, next_group_size
-from grpo_cli.advantages import group_advantages
+from grpo_cli.algorithm.advantages import group_advantages
+from grpo_cli.algorithm.losses import beta_at
+from grpo_cli.algorithm.optim import make_optimizer, make_scheduler
+from grpo_cli.algorithm.update import update_policy
 from grpo_cli.checkpoint import latest_checkpoint
 from grpo_cli.config import BetaSchedule, ConfigError, beta_schedule, boosted_group_size
 from grpo_cli.console import sample_entries
-from grpo_cli.distributed import (SINGLE, Distributed, broadcast_from_main, is_sharded, join_process_group,
-                                  leave_process_group, max_over_ranks, rank_device, reduce_metrics, sampling_seed,
-                                  weights_spread, wrap_for_training)
-from grpo_cli.dynamic import fill_informative_groups
+from grpo_cli.data.prompts import PromptSource, train_and_eval_rows
+from grpo_cli.distributed import (
+    SINGLE,
+    Distributed,
+    broadcast_from_main,
+    is_sharded,
+    join_process_group,
+    leave_process_group,
+    max_over_ranks,
+    rank_device,
+    reduce_metrics,
+    sampling_seed,
+    weights_spread,
+    wrap_for_training,
+)
 from grpo_cli.evaluation import evaluate
-from grpo_cli.guard import roll_back, rollback_reason
 from grpo_cli.logs import QuietLogger, RunLogger, resident_memory_gb
-from grpo_cli.losses import beta_at
-from grpo_cli.memory_check import check_memory, print_plan
-from grpo_cli.models import Models, load_models, resolve_device, trainable_parameters
-from grpo_cli.optim import make_optimizer, make_scheduler
-from grpo_cli.prompts import PromptSource, train_and_eval_rows
+from grpo_cli.models.loading import Models, load_models, resolve_device, trainable_parameters
+from grpo_cli.planner.check import check_memory, print_plan
 from grpo_cli.records import Advantages, Rewards, Rollout, UpdateStats
 from grpo_cli.rewards.api import RewardScorer
 from grpo_cli.run_lock import hold_run_folder
-from grpo_cli.run_summary import summarize_run
+from grpo_cli.safety.adaptive import AdaptiveGroupState, next_group_size
+from grpo_cli.safety.dynamic import fill_informative_groups
+from grpo_cli.safety.guard import roll_back, rollback_reason
 from grpo_cli.sampling import Sampler, make_sampler
 from grpo_cli.state import TrainState, find_resume_checkpoint, seed_everything
 from grpo_cli.stopping import StopRequests
-from grpo_cli.update import update_policy
+from grpo_cli.tools.run_summary import summarize_run
 from grpo_cli.validation import validate
+
 
 @dataclass
 class RunResult:

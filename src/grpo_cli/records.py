@@ -79,7 +79,7 @@ class UpdateStats:
     skipped_steps: int  # optimizer steps not taken: gradient not finite, or no token in the loss
 
     @classmethod
-    def nothing_trained(cls, passes: int) -> "UpdateStats":
+    def nothing_trained(cls, passes: int) -> UpdateStats:
         """A step with no token in the loss: no optimizer step (AdamW's momentum would still
         move the weights), every pass counted as skipped."""
         return cls(loss=0.0, kl=None, clip_fraction=None, clip_high_fraction=None,

@@ -15,8 +15,8 @@ import json
 import os
 import socket
 import time
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 from grpo_cli.config import ConfigError
 

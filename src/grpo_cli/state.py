@@ -12,21 +12,36 @@ included: the checkpoint's full tensors are sharded again as they load).
 from __future__ import annotations
 
 import random
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 import numpy as np
 import torch
 
-from grpo_cli.adaptive import AdaptiveGroupState
-from grpo_cli.checkpoint import (CheckpointError, load_policy_weights, load_trainer_state, newest_resumable,
-                                 non_finite_tensor, save_checkpoint, set_rng_state)
+from grpo_cli.checkpoint import (
+    CheckpointError,
+    load_policy_weights,
+    load_trainer_state,
+    newest_resumable,
+    non_finite_tensor,
+    save_checkpoint,
+    set_rng_state,
+)
 from grpo_cli.config import ConfigError, resume_mode
-from grpo_cli.distributed import (SINGLE, Distributed, barrier, broadcast_from_main, full_states, is_sharded,
-                                  load_optimizer_state)
-from grpo_cli.guard import GuardState
-from grpo_cli.prompts import PromptSource
+from grpo_cli.data.prompts import PromptSource
+from grpo_cli.distributed import (
+    SINGLE,
+    Distributed,
+    barrier,
+    broadcast_from_main,
+    full_states,
+    is_sharded,
+    load_optimizer_state,
+)
+from grpo_cli.safety.adaptive import AdaptiveGroupState
+from grpo_cli.safety.guard import GuardState
 
 
 @dataclass

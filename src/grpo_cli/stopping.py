@@ -20,7 +20,7 @@ class StopRequests:
         self.requested: Optional[str] = None
         self._previous: dict[int, object] = {}
 
-    def __enter__(self) -> "StopRequests":
+    def __enter__(self) -> StopRequests:
         if threading.current_thread() is threading.main_thread():  # signals reach the main thread only
             for number in HANDLED:
                 self._previous[number] = signal.signal(number, self._handle)

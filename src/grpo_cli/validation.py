@@ -15,10 +15,17 @@ from typing import Any, Optional
 
 from omegaconf import OmegaConf
 
-from grpo_cli.config import (ADVANTAGE_MODES, AGGREGATIONS, BETA_SHAPES, DISTRIBUTED_MODES, KL_ESTIMATORS,
-                             ConfigError, boosted_group_size, resume_mode)
+from grpo_cli.config import (
+    ADVANTAGE_MODES,
+    AGGREGATIONS,
+    BETA_SHAPES,
+    DISTRIBUTED_MODES,
+    KL_ESTIMATORS,
+    ConfigError,
+    boosted_group_size,
+    resume_mode,
+)
 from grpo_cli.launch import launched_world_size
-
 
 CHOICES = {
     "model.dtype": ("auto", "float32", "bfloat16", "float16"),
@@ -217,8 +224,8 @@ def _machine_problems(cfg: Any) -> list[str]:
     output folder, the loggers' packages, the CUDA devices named, the resume checkpoint."""
     import torch
 
-    from grpo_cli.models import local_tokenizer_and_context
-    from grpo_cli.prompts import data_problems
+    from grpo_cli.data.prompts import data_problems
+    from grpo_cli.models.loading import local_tokenizer_and_context
 
     trainer = cfg.trainer
     problems = []
@@ -398,7 +405,7 @@ def _other_model_problems(checkpoint: Path, model: Any) -> list[str]:
     reference. A hub id not on this machine is not compared."""
     import json
 
-    from grpo_cli.models import _local_folder
+    from grpo_cli.models.loading import _local_folder
 
     try:
         base = _local_folder(model)

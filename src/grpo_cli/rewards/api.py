@@ -15,15 +15,15 @@ import inspect
 import math
 import signal
 import threading
-from collections.abc import Iterable, Iterator, Mapping, Set
+from collections.abc import Callable, Iterable, Iterator, Mapping, Set
 from dataclasses import dataclass
-from typing import Any, Callable, NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 from hydra.utils import get_method
 from omegaconf import OmegaConf
 
-from grpo_cli.advantages import combine_rewards
+from grpo_cli.algorithm.advantages import combine_rewards
 from grpo_cli.config import ConfigError
 from grpo_cli.records import Rewards, Rollout
 
@@ -210,7 +210,7 @@ class RewardScorer:
         self.timeout = timeout
 
     @classmethod
-    def from_config(cls, reward: Any, std_eps: float) -> "RewardScorer":
+    def from_config(cls, reward: Any, std_eps: float) -> RewardScorer:
         """From the reward config group (functions, clip, normalize_each, max_error_fraction,
         workers, timeout_s) and trainer.std_eps."""
         return cls(reward.functions, reward.clip, reward.normalize_each, std_eps,

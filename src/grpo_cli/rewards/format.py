@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import functools
 import re
-from typing import Any, Optional, Sequence
+from collections.abc import Sequence
+from typing import Any, Optional
 
 
 @functools.lru_cache(maxsize=32)

@@ -97,7 +97,7 @@ def _score_batch(loaded: LoadedRewardModel, texts: list[str], max_length: int) -
 def load_reward_model(path: str, device: str = "auto", quantization: str = "none",
                       dtype: str = "auto") -> LoadedRewardModel:
     """The model and tokenizer at `path`, loaded on first use and cached in `_LOADED`."""
-    from grpo_cli.models import resolve_device, resolve_dtype  # here: models imports the rewards package
+    from grpo_cli.models.loading import resolve_device, resolve_dtype  # here: models imports the rewards package
 
     if quantization not in QUANTIZATIONS:
         raise ConfigError(f"reward_model quantization={quantization}: use one of {', '.join(QUANTIZATIONS)}.")
@@ -120,14 +120,14 @@ def _load(path: str, device: torch.device, quantization: str, dtype: torch.dtype
     _check_source(path)
     options: dict[str, Any] = {"dtype": dtype}
     if quantization != "none":
-        from grpo_cli.models import _quantization_config
+        from grpo_cli.models.loading import _quantization_config
 
         options["quantization_config"] = _quantization_config(ModelConfig(quantization=quantization), dtype)
         options["device_map"] = {"": device}
     tokenizer = AutoTokenizer.from_pretrained(path)
     model = AutoModelForSequenceClassification.from_pretrained(path, **options)
     if quantization == "4bit":
-        from grpo_cli.models import keep_4bit_weights_in_training_layout
+        from grpo_cli.models.loading import keep_4bit_weights_in_training_layout
 
         # Not for training here: for scores that are the same on every CPU (the packed kernel
         # computes in bfloat16 on bfloat16-rounded scales, on AVX512-BF16 CPUs alone).

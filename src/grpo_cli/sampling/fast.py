@@ -26,7 +26,7 @@ from transformers import AttentionInterface
 from transformers.cache_utils import DynamicLayer
 
 from grpo_cli.config import SamplerConfig
-from grpo_cli.models import autocast_to
+from grpo_cli.models.loading import autocast_to
 from grpo_cli.records import PromptBatch, Rollout
 from grpo_cli.sampling.packed import PackedLinears
 from grpo_cli.sampling.rollouts import rollout_from

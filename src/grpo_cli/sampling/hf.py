@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from grpo_cli.config import SamplerConfig
-from grpo_cli.models import autocast_to
+from grpo_cli.models.loading import autocast_to
 from grpo_cli.records import PromptBatch, Rollout
 from grpo_cli.sampling.rollouts import repeated_prompts, rollout_from
 

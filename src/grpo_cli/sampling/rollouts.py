@@ -7,6 +7,7 @@ import torch
 
 from grpo_cli.records import PromptBatch, Rollout
 
+
 def completion_mask(completion_ids: torch.Tensor, eos_token_id: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Mask of the tokens that belong to each completion, and which ones never ended.
 

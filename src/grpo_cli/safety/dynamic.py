@@ -11,8 +11,8 @@ them) so that every step trains on the same number of completions; the shortfall
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 

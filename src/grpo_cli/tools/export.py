@@ -56,7 +56,7 @@ def run_settings(checkpoint: Path) -> dict:
 def base_model_of(checkpoint: Path, settings: dict) -> str:
     """Where the adapter's base model is: the run's model.name_or_path (builtin names resolved),
     else what PEFT recorded in adapter_config.json."""
-    from grpo_cli.model_sources import resolve_model
+    from grpo_cli.models.sources import resolve_model
 
     name = settings.get("name_or_path") or json.loads((checkpoint / ADAPTER_CONFIG).read_text()).get(
         "base_model_name_or_path")

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from grpo_cli.config import ConfigError
-from grpo_cli.model_cache import save_folder_atomically
+from grpo_cli.models.cache import save_folder_atomically
 
 CONVERTER_VERSION = 1  # bump when the conversion changes: older folders are then not reused
 

@@ -37,6 +37,7 @@ from typing import NamedTuple
 import torch
 
 from grpo_cli.config import AGGREGATIONS, KL_ESTIMATORS, BetaSchedule
+
 LOGIT_CHUNK_ELEMENTS = 1 << 24  # float32 elements per chunk of logits (64 MiB): rows = this / vocab
 
 

@@ -16,21 +16,39 @@ at a time; `format_plan` prints the table. docs/MEMORY.md explains every row.
 from __future__ import annotations
 
 import copy
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Optional, Sequence
+from typing import Any, Optional
 
 from omegaconf import OmegaConf
 
-from grpo_cli.architecture import (Architecture, Weight, architecture_from_block, architecture_from_hf,
-                                   architecture_of, local_config, lora_targets, lora_weights, model_weights,
-                                   parameter_count)
+from grpo_cli.algorithm.update import shared_prompt_pass_group
 from grpo_cli.config import ArchitectureConfig, beta_schedule, boosted_group_size
 from grpo_cli.evaluation import EVAL_BATCH
-from grpo_cli.memory_formulas import (DTYPE_BYTES, Amount, forward_bytes, optimizer_bytes, reference_amount,
-                                      sampling_amounts, update_amounts, weight_bytes)
 from grpo_cli.launch import launched_world_size
+from grpo_cli.planner.architecture import (
+    Architecture,
+    Weight,
+    architecture_from_block,
+    architecture_from_hf,
+    architecture_of,
+    local_config,
+    lora_targets,
+    lora_weights,
+    model_weights,
+    parameter_count,
+)
+from grpo_cli.planner.formulas import (
+    DTYPE_BYTES,
+    Amount,
+    forward_bytes,
+    optimizer_bytes,
+    reference_amount,
+    sampling_amounts,
+    update_amounts,
+    weight_bytes,
+)
 from grpo_cli.sampling.packed import PACK_MIN_WEIGHTS
-from grpo_cli.update import shared_prompt_pass_group
 
 __all__ = ["architecture_of", "plan_memory", "cheapest_fixes", "format_plan", "format_fixes", "MemoryPlan", "Row",
            "Fix", "GB", "DEFAULT_PROMPT_TOKENS"]
@@ -168,7 +186,7 @@ def packed_linear_weights(cfg: Any, arch: Architecture, device: str, dtype: str,
     """sampler=fast on a CPU in float32 (no autocast) decodes with a packed copy of the float32
     linear weights of at least PACK_MIN_WEIGHTS elements (sampling/fast.py, PackedLinears): the
     decoder's unless quantized, the head's, the adapter's. None where nothing is packed."""
-    from grpo_cli.models import resolve_autocast
+    from grpo_cli.models.loading import resolve_autocast
 
     if (device != "cpu" or dtype != "float32" or str(cfg.sampler.backend).lower() != "fast"
             or resolve_autocast(str(cfg.model.autocast).lower(), device) != "none"):
@@ -246,7 +264,7 @@ def _dtype_name(setting: str, device: str) -> str:
 
 
 def _has_eval(data: Any) -> bool:
-    from grpo_cli.prompts import synthetic_task_name
+    from grpo_cli.data.prompts import synthetic_task_name
 
     if data.eval_size <= 0:  # no eval at all, whatever else is set (prompts.train_and_eval_rows)
         return False

@@ -21,10 +21,10 @@ from typing import NamedTuple
 
 import torch
 
+from grpo_cli.algorithm.losses import LossSettings, StepSize, grpo_loss, token_entropy, token_log_probs
 from grpo_cli.config import TrainerConfig
 from grpo_cli.distributed import SINGLE, Distributed, max_over_ranks, sum_over_ranks
-from grpo_cli.losses import LossSettings, StepSize, grpo_loss, token_entropy, token_log_probs
-from grpo_cli.models import Models, reference_model, trainable_parameters
+from grpo_cli.models.loading import Models, reference_model, trainable_parameters
 from grpo_cli.records import Advantages, Rollout, UpdateStats
 
 
@@ -191,7 +191,7 @@ class StepTotals:
         self.tokens_by_pass.append(0.0)
         self.deviation_by_pass.append(0.0)
 
-    def over_ranks(self, place: Distributed) -> "StepTotals":
+    def over_ranks(self, place: Distributed) -> StepTotals:
         """The whole step's totals: sums (the deviation: the max) over torchrun ranks, in one
         all-reduce; the identity in one process."""
         passes = len(self.clipped_by_pass)

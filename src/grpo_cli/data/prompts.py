@@ -15,13 +15,14 @@ import os
 import random
 import reprlib
 import stat
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Any, Iterable, Optional
+from typing import Any, Optional
 
 from grpo_cli.config import ConfigError, DataConfig
+from grpo_cli.data.tasks import SYNTHETIC_TASKS, synthetic_task_name
 from grpo_cli.distributed import SINGLE, Distributed, local_share
 from grpo_cli.records import PromptBatch
-from grpo_cli.tasks import SYNTHETIC_TASKS, synthetic_task_name
 
 FILE_FORMATS = (".jsonl", ".json", ".parquet", ".csv")
 

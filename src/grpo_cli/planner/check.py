@@ -19,7 +19,7 @@ import torch
 
 from grpo_cli.config import ConfigError
 from grpo_cli.distributed import SINGLE, Distributed, max_over_ranks
-from grpo_cli.memory import GB, MemoryPlan, cheapest_fixes, format_fixes, format_plan, plan_memory
+from grpo_cli.planner.memory import GB, MemoryPlan, cheapest_fixes, format_fixes, format_plan, plan_memory
 
 PLAN_FILE = "memory_plan.txt"
 
@@ -67,8 +67,8 @@ def plan_for(cfg: Any, device: torch.device, prompt_rows: Optional[list[dict[str
 
 
 def _longest_prompt(cfg: Any, rows: Optional[list[dict[str, Any]]]) -> Optional[int]:
-    from grpo_cli.models import local_tokenizer_and_context
-    from grpo_cli.prompts import prompt_lengths
+    from grpo_cli.data.prompts import prompt_lengths
+    from grpo_cli.models.loading import local_tokenizer_and_context
 
     local = local_tokenizer_and_context(cfg.model) if rows else None
     return max(prompt_lengths(cfg.data, rows, local[0])) if local is not None else None
@@ -112,8 +112,8 @@ def not_fitting_message(cfg: Any, plan: MemoryPlan, budget: Budget, consequence:
 def print_plan(cfg: Any) -> None:
     """`trainer.plan=true`: the plan of this config on trainer.device (auto: a GPU if this
     machine has one), its verdict against the budget when there is one, and the fixes."""
-    from grpo_cli.models import resolve_device
-    from grpo_cli.prompts import train_and_eval_rows
+    from grpo_cli.data.prompts import train_and_eval_rows
+    from grpo_cli.models.loading import resolve_device
 
     try:
         rows = train_and_eval_rows(cfg.data)[0]

@@ -4,7 +4,7 @@
 
 samples sampler.group_size completions for every prompt of data.path with model.*, scores them
 with reward.*, and keeps a prompt exactly when training would give its group a non-zero
-advantage: the group's reward std (sample std over the G rewards, as in grpo_cli.advantages) is
+advantage: the group's reward std (sample std over the G rewards, as in grpo_cli.algorithm.advantages) is
 at least trainer.std_threshold. Every other group is all-equal and would only cost sampling time.
 Those are counted as
 
@@ -40,14 +40,14 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from rich.table import Table
 
-from grpo_cli.advantages import group_advantages
+from grpo_cli.algorithm.advantages import group_advantages
 from grpo_cli.config import ConfigError
-from grpo_cli.models import load_models, resolve_device
-from grpo_cli.prompts import PromptSource, batches, load_rows
+from grpo_cli.data.prompts import PromptSource, batches, load_rows
+from grpo_cli.data.tasks import synthetic_task_name
+from grpo_cli.models.loading import load_models, resolve_device
 from grpo_cli.rewards.api import RewardScorer
 from grpo_cli.sampling import make_sampler
 from grpo_cli.state import find_resume_checkpoint, seed_everything
-from grpo_cli.tasks import synthetic_task_name
 from grpo_cli.validation import validate
 
 KEPT, TOO_EASY, TOO_HARD = "kept", "too_easy", "too_hard"

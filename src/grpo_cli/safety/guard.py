@@ -16,9 +16,10 @@ rollbacks the next trigger stops the run with a report of every rollback.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 import torch
 
@@ -45,7 +46,7 @@ class GuardState:
         return asdict(self)
 
     @classmethod
-    def from_state_dict(cls, state: Optional[dict[str, Any]]) -> "GuardState":
+    def from_state_dict(cls, state: Optional[dict[str, Any]]) -> GuardState:
         return cls(**state) if state else cls()
 
 

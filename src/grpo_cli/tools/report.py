@@ -24,12 +24,27 @@ from rich.console import Console
 from rich.table import Table
 
 from grpo_cli.logs import METRICS_FILE
-from grpo_cli.plots import draw_heatmap, draw_plot, plan_plots
-from grpo_cli.run_summary import (
-    ReportError, RunData, RunSummary, load_run, number, read_overrides, steps_phrase, summarize_run, summary_table,
+from grpo_cli.tools.plots import draw_heatmap, draw_plot, plan_plots
+from grpo_cli.tools.run_summary import (
+    ReportError,
+    RunData,
+    RunSummary,
+    load_run,
+    number,
+    read_overrides,
+    steps_phrase,
+    summarize_run,
+    summary_table,
 )
-from grpo_cli.sweep import (
-    SweepRow, heatmap_grid, job_order, ranking, sort_sweep, swept_keys, swept_values, sweep_table,
+from grpo_cli.tools.sweep import (
+    SweepRow,
+    heatmap_grid,
+    job_order,
+    ranking,
+    sort_sweep,
+    sweep_table,
+    swept_keys,
+    swept_values,
 )
 
 REPORT_FILE = "report.md"

@@ -18,12 +18,13 @@ block names its model_type, so both sources go through transformers' config of t
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, NamedTuple, Optional, Sequence
+from typing import Any, NamedTuple, Optional
 
 from grpo_cli.config import ConfigError
-from grpo_cli.model_sources import resolve_model
+from grpo_cli.models.sources import resolve_model
 
 ALL_LINEAR = "all-linear"
 

@@ -33,7 +33,7 @@ class AdaptiveGroupState:
         return asdict(self)
 
     @classmethod
-    def from_state_dict(cls, state: Optional[dict[str, Any]], base_group_size: int) -> "AdaptiveGroupState":
+    def from_state_dict(cls, state: Optional[dict[str, Any]], base_group_size: int) -> AdaptiveGroupState:
         return cls(**state) if state else cls(base_group_size, base_group_size)
 
 

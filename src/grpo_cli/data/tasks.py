@@ -16,8 +16,8 @@ from __future__ import annotations
 import functools
 import operator
 import random
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 Row = dict[str, str]
 

@@ -1,6 +1,6 @@
 """Build the tiny local model of the embedded default: nothing is downloaded, ever.
 
-`builtin:tiny-addition` resolves (grpo_cli.model_sources) to a Hugging Face model folder built
+`builtin:tiny-addition` resolves (grpo_cli.models.sources) to a Hugging Face model folder built
 here on first use:
 1. a byte-level BPE tokenizer trained on the task's own text (digits split one per token);
 2. a Qwen2-architecture model (hidden 128, 4 layers, ~0.6M parameters) with random weights;
@@ -24,9 +24,9 @@ import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 
-from grpo_cli.model_cache import save_folder_atomically
+from grpo_cli.data.tasks import SYNTHETIC_TASKS
+from grpo_cli.models.cache import save_folder_atomically
 from grpo_cli.rewards.math import exact_match
-from grpo_cli.tasks import SYNTHETIC_TASKS
 
 EOS_TOKEN = "<|endoftext|>"
 # Bump when the builder changes, so cached folders from an older builder are not reused.

@@ -11,10 +11,11 @@ N sequences, L = prompt + new tokens, T new tokens; `act` = bytes of the activat
 
 from __future__ import annotations
 
-from typing import NamedTuple, Sequence
+from collections.abc import Sequence
+from typing import NamedTuple
 
-from grpo_cli.architecture import Architecture, Linear, Weight, parameter_count
-from grpo_cli.losses import LOGIT_CHUNK_ELEMENTS
+from grpo_cli.algorithm.losses import LOGIT_CHUNK_ELEMENTS
+from grpo_cli.planner.architecture import Architecture, Linear, Weight, parameter_count
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 # bitsandbytes 4-bit nf4 with double quantization (models._quantization_config): two 4-bit codes

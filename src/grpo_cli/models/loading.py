@@ -12,15 +12,16 @@ import contextlib
 import importlib.util
 import os
 import warnings
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator, Optional
+from typing import Any, Optional
 
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from grpo_cli.config import ConfigError, ModelConfig
-from grpo_cli.model_sources import resolve_model
+from grpo_cli.models.sources import resolve_model
 
 
 @dataclass
