@@ -48,17 +48,26 @@ CASES = {
     "0.5b-full": ["conf=math_0.5b", "model.dtype=bfloat16", *MATH_PROMPTS],
     "7b-lora": ["conf=math_7b", *MATH_PROMPTS],
     "7b-qlora": ["conf=math_7b", "model.quantization=4bit", *MATH_PROMPTS],
-    "tiny": ["data.prompts_per_step=4", "sampler.group_size=4", "sampler.max_new_tokens=16",
-             "trainer.micro_batch_size=8"],  # the embedded default's addition prompts
+    "tiny": [
+        "data.prompts_per_step=4",
+        "sampler.group_size=4",
+        "sampler.max_new_tokens=16",
+        "trainer.micro_batch_size=8",
+    ],  # the embedded default's addition prompts
 }
 
 
 def compose_case(overrides: list[str], folder: Path, device: str):
     with initialize_config_dir(config_dir=config_dir(), version_base="1.3"):
-        cfg = compose(config_name="config", overrides=[
-            *overrides, f"model.name_or_path={folder}", f"trainer.device={device}",
-            "sampler.min_new_tokens=${sampler.max_new_tokens}",  # every completion full length: the plan's case
-        ])
+        cfg = compose(
+            config_name="config",
+            overrides=[
+                *overrides,
+                f"model.name_or_path={folder}",
+                f"trainer.device={device}",
+                "sampler.min_new_tokens=${sampler.max_new_tokens}",  # every completion full length: the plan's case
+            ],
+        )
     OmegaConf.resolve(cfg)
     return cfg
 
@@ -70,8 +79,13 @@ def build_random_model(block, folder: Path, dtype: torch.dtype, device: str) -> 
     tiny = Path(resolve_model("builtin:tiny-addition"))
     tokenizer = AutoTokenizer.from_pretrained(tiny)
     values = {k: v for k, v in OmegaConf.to_container(block).items() if v is not None}
-    config = AutoConfig.for_model(values.pop("model_type"), **values, eos_token_id=tokenizer.eos_token_id,
-                                  pad_token_id=tokenizer.pad_token_id, bos_token_id=None)
+    config = AutoConfig.for_model(
+        values.pop("model_type"),
+        **values,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        bos_token_id=None,
+    )
     with torch.device(device):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     model.save_pretrained(folder)
@@ -106,13 +120,23 @@ def run_case(name: str, device: str, steps: int, work: Path) -> list[tuple[str, 
         rewards = torch.rand(batch.size, rollout.group_size)  # the update's cost does not depend on them
         advantages = group_advantages(rewards, std_eps=1e-4, std_threshold=1e-4)
         with peak_memory(device, measured, "update"):
-            update_policy(models, rollout, advantages, optimizer, scheduler, cfg.trainer,
-                          cfg.optimizer.max_grad_norm, beta_at(betas, step))
+            update_policy(
+                models,
+                rollout,
+                advantages,
+                optimizer,
+                scheduler,
+                cfg.trainer,
+                cfg.optimizer.max_grad_norm,
+                beta_at(betas, step),
+            )
     phases = plan.phase_bytes
     update_phase = max(phases.get("update", 0), phases.get("reference pass", 0))
     print(f"{name}: prompts padded to {plan.prompt_tokens} tokens, peak phase {plan.peak_phase}", file=sys.stderr)
-    return [(name, "sampling", (plan.held_bytes + phases["sampling"]) / GB, measured.get("sampling")),
-            (name, "update", (plan.held_bytes + update_phase) / GB, measured.get("update"))]
+    return [
+        (name, "sampling", (plan.held_bytes + phases["sampling"]) / GB, measured.get("sampling")),
+        (name, "update", (plan.held_bytes + update_phase) / GB, measured.get("update")),
+    ]
 
 
 class peak_memory:
@@ -138,8 +162,12 @@ def main() -> None:
     transformers_logging.disable_progress_bar()
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--case", action="append", choices=sorted(CASES),
-                        help="repeatable; default: 0.5b-full, 7b-lora and 7b-qlora on CUDA, tiny on the CPU")
+    parser.add_argument(
+        "--case",
+        action="append",
+        choices=sorted(CASES),
+        help="repeatable; default: 0.5b-full, 7b-lora and 7b-qlora on CUDA, tiny on the CPU",
+    )
     parser.add_argument("--steps", type=int, default=2, help="steps per case; the last one is measured")
     args = parser.parse_args()
     cases = args.case or (["0.5b-full", "7b-lora", "7b-qlora"] if args.device.startswith("cuda") else ["tiny"])

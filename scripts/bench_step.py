@@ -42,16 +42,20 @@ from typing import Any
 
 SCRIPTS = Path(__file__).resolve().parent
 BENCH_SIZES = {  # name -> Qwen2 shape
-    "tiny": dict(hidden_size=256, intermediate_size=576, num_hidden_layers=4, num_attention_heads=4,
-                 num_key_value_heads=2),
-    "small": dict(hidden_size=512, intermediate_size=1152, num_hidden_layers=8, num_attention_heads=8,
-                  num_key_value_heads=4),
+    "tiny": dict(
+        hidden_size=256, intermediate_size=576, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2
+    ),
+    "small": dict(
+        hidden_size=512, intermediate_size=1152, num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=4
+    ),
     # --device cuda: the decoder shapes of Qwen2.5-0.5B and -1.5B, randomly initialised, saved in
     # bfloat16. The vocabulary is the bench tokenizer's (277, not 151,936), so the head is small.
-    "0.5b": dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
-                 num_key_value_heads=2),
-    "1.5b": dict(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12,
-                 num_key_value_heads=2),
+    "0.5b": dict(
+        hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2
+    ),
+    "1.5b": dict(
+        hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12, num_key_value_heads=2
+    ),
 }
 GPU_SIZES = ("0.5b", "1.5b")
 BF16_PEAK_TFLOPS = {"H100": 989.4, "H200": 989.4, "A100": 312.0}  # dense bfloat16, by device name
@@ -75,9 +79,15 @@ def bench_model(size: str) -> Path:
     tokenizer = train_tokenizer([row["prompt"] + " " + row["answer"] for row in rows], vocab_size=300)
     tokenizer.model_max_length = 512
     torch.manual_seed(0)
-    config = Qwen2Config(vocab_size=len(tokenizer), max_position_embeddings=512, tie_word_embeddings=True,
-                         eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
-                         bos_token_id=None, **BENCH_SIZES[size])
+    config = Qwen2Config(
+        vocab_size=len(tokenizer),
+        max_position_embeddings=512,
+        tie_word_embeddings=True,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        bos_token_id=None,
+        **BENCH_SIZES[size],
+    )
     model = Qwen2ForCausalLM(config)
     if size in GPU_SIZES:
         model = model.to(torch.bfloat16)
@@ -117,14 +127,29 @@ def our_config(model_dir: Path, sampler: str, bf16: bool = False, device: str = 
     from grpo_cli.config import Config
 
     cfg = OmegaConf.structured(Config)
-    cfg.merge_with_dotlist([
-        f"model.name_or_path={model_dir}", f"model.dtype={dtype}", "data.path=synthetic:addition",
-        f"data.prompts_per_step={PROMPTS}", f"sampler.group_size={GROUP}", f"sampler.max_new_tokens={NEW_TOKENS}",
-        f"sampler.min_new_tokens={NEW_TOKENS}", f"sampler.backend={sampler}", "sampler.temperature=1.0",
-        f"trainer.beta={BETA}", "trainer.num_iterations=1", "trainer.micro_batch_size=0", f"trainer.device={device}",
-        "trainer.loss_aggregation=sequence_mean", f"optimizer.lr={LR}", "optimizer.max_grad_norm=1.0",
-        "optimizer.weight_decay=0.0", "optimizer.warmup_steps=0", "trainer.steps=1000",
-    ])
+    cfg.merge_with_dotlist(
+        [
+            f"model.name_or_path={model_dir}",
+            f"model.dtype={dtype}",
+            "data.path=synthetic:addition",
+            f"data.prompts_per_step={PROMPTS}",
+            f"sampler.group_size={GROUP}",
+            f"sampler.max_new_tokens={NEW_TOKENS}",
+            f"sampler.min_new_tokens={NEW_TOKENS}",
+            f"sampler.backend={sampler}",
+            "sampler.temperature=1.0",
+            f"trainer.beta={BETA}",
+            "trainer.num_iterations=1",
+            "trainer.micro_batch_size=0",
+            f"trainer.device={device}",
+            "trainer.loss_aggregation=sequence_mean",
+            f"optimizer.lr={LR}",
+            "optimizer.max_grad_norm=1.0",
+            "optimizer.weight_decay=0.0",
+            "optimizer.warmup_steps=0",
+            "trainer.steps=1000",
+        ]
+    )
     cfg.reward.functions = [{"_target_": "bench_step.our_reward", "weight": 1.0}]
     cfg.model.autocast = "bfloat16" if bf16 else "none"
     return cfg
@@ -145,8 +170,9 @@ class OurSide:
         torch.manual_seed(0)
         cfg = our_config(model_dir, sampler, bf16, device, dtype)
         rows = prompt_rows()
-        self.parts = load_parts(cfg, RewardScorer.from_config(cfg.reward, cfg.trainer.std_eps), rows,
-                                torch.device(device), SINGLE)
+        self.parts = load_parts(
+            cfg, RewardScorer.from_config(cfg.reward, cfg.trainer.std_eps), rows, torch.device(device), SINGLE
+        )
         self.step_number = 0
 
     def step(self) -> dict[str, float]:
@@ -157,9 +183,14 @@ class OurSide:
         result = train_step(self.parts, self.step_number, GROUP, 1.0)
         seconds = time.perf_counter() - started
         metrics = result.metrics
-        return {"seconds": seconds, "generate_seconds": metrics["time/sample"], "update_seconds": metrics["time/update"],
-                "tokens": float(result.rollout.completion_mask.sum()), "loss": metrics["loss"],
-                "prompt_length": result.rollout.prompt_ids.shape[1]}
+        return {
+            "seconds": seconds,
+            "generate_seconds": metrics["time/sample"],
+            "update_seconds": metrics["time/update"],
+            "tokens": float(result.rollout.completion_mask.sum()),
+            "loss": metrics["loss"],
+            "prompt_length": result.rollout.prompt_ids.shape[1],
+        }
 
 
 # ---------------------------------------------------------------------------- TRL's side
@@ -186,10 +217,20 @@ class TrlSide:
         def reward(prompts, completions, **_):
             return exact_answer(completions, [answers[prompt] for prompt in prompts])
 
-        self.trainer = make_trl_trainer(str(model_dir), [row["prompt"] for row in rows], reward, group_size=GROUP,
-                                        prompts_per_step=PROMPTS, max_new_tokens=NEW_TOKENS, beta=BETA,
-                                        loss_type="grpo", learning_rate=LR, max_grad_norm=1.0, bf16=bf16,
-                                        output_dir=str(work))
+        self.trainer = make_trl_trainer(
+            str(model_dir),
+            [row["prompt"] for row in rows],
+            reward,
+            group_size=GROUP,
+            prompts_per_step=PROMPTS,
+            max_new_tokens=NEW_TOKENS,
+            beta=BETA,
+            loss_type="grpo",
+            learning_rate=LR,
+            max_grad_norm=1.0,
+            bf16=bf16,
+            output_dir=str(work),
+        )
         self.trainer.args.max_steps = 1000
         self.trainer.args.logging_steps = 10**6  # TRL prints its metrics at each logging step
         self.go, self.done = queue.Queue(), queue.Queue()
@@ -212,10 +253,14 @@ class TrlSide:
                 side.started, side.generate_seconds = time.perf_counter(), 0.0
 
             def on_step_end(self, args, state, control, **kwargs):
-                side.done.put({"seconds": time.perf_counter() - side.started,
-                               "generate_seconds": side.generate_seconds,
-                               "tokens": float(PROMPTS * GROUP * NEW_TOKENS),
-                               "loss": float("nan")})
+                side.done.put(
+                    {
+                        "seconds": time.perf_counter() - side.started,
+                        "generate_seconds": side.generate_seconds,
+                        "tokens": float(PROMPTS * GROUP * NEW_TOKENS),
+                        "loss": float("nan"),
+                    }
+                )
 
         self.trainer.add_callback(Turns())
         self.thread = threading.Thread(target=self.trainer.train, daemon=True)
@@ -256,8 +301,10 @@ def answer(side: str, process, pipe, timeout: float = 600.0) -> Any:
     while not pipe.poll(1.0):
         waited += 1.0
         if not process.is_alive() or waited > timeout:
-            raise RuntimeError(f"the {side} worker {'exited' if not process.is_alive() else 'hangs'} "
-                               f"(exit code {process.exitcode}); its output above says why")
+            raise RuntimeError(
+                f"the {side} worker {'exited' if not process.is_alive() else 'hangs'} "
+                f"(exit code {process.exitcode}); its output above says why"
+            )
     return pipe.recv()
 
 
@@ -332,8 +379,11 @@ def compare_samplers(size: str, repeats: int, bf16: bool) -> dict[str, float]:
             times.append(time.perf_counter() - started)
         medians[backend] = statistics.median(times)
     tokens = PROMPTS * GROUP * NEW_TOKENS
-    return {"fast_tokens_per_second": tokens / medians["fast"], "hf_tokens_per_second": tokens / medians["hf"],
-            "speedup": medians["hf"] / medians["fast"]}
+    return {
+        "fast_tokens_per_second": tokens / medians["fast"],
+        "hf_tokens_per_second": tokens / medians["hf"],
+        "speedup": medians["hf"] / medians["fast"],
+    }
 
 
 def matmul_rate(rows: int, inner: int, outer: int, repeats: int = 20, dtype: str = "float32") -> float:
@@ -412,8 +462,9 @@ def phase_times(size: str, repeats: int, shared: bool = True) -> list[tuple[str,
     parts = side.parts
     models, policy = parts.models, parts.models.policy
     side.step()  # warm-up
-    times: dict[str, list[float]] = {name: [] for name in ("sampling", "reference pass", "policy forward",
-                                                           "backward", "optimizer step")}
+    times: dict[str, list[float]] = {
+        name: [] for name in ("sampling", "reference pass", "policy forward", "backward", "optimizer step")
+    }
     for _ in range(repeats):
         marks = [time.perf_counter()]
         rollout = parts.sampler.sample(policy, parts.prompts.next_batch(), GROUP)
@@ -426,8 +477,15 @@ def phase_times(size: str, repeats: int, shared: bool = True) -> list[tuple[str,
         log_probs, _ = completion_log_probs(policy, *rows, True, passes_per_group)
         settings = LossSettings(clip_eps=0.2, clip_eps_high=0.2, beta=BETA)
         step_size = StepSize(log_probs.shape[0], int(rollout.completion_mask.sum()), NEW_TOKENS)
-        loss, _ = grpo_loss(log_probs, log_probs.detach(), reference_log_probs, torch.randn(log_probs.shape[0]),
-                            rollout.completion_mask, settings, step_size)
+        loss, _ = grpo_loss(
+            log_probs,
+            log_probs.detach(),
+            reference_log_probs,
+            torch.randn(log_probs.shape[0]),
+            rollout.completion_mask,
+            settings,
+            step_size,
+        )
         marks.append(time.perf_counter())
         loss.backward()
         marks.append(time.perf_counter())
@@ -442,8 +500,13 @@ def phase_times(size: str, repeats: int, shared: bool = True) -> list[tuple[str,
     sampling_flops = step_forward_flops(policy, rollout.prompt_ids.shape[1])  # the sampler encodes each prompt once
     forward_flops = step_forward_flops(policy, rollout.prompt_ids.shape[1], shared)
     rate = matmul_rate(4096, config.hidden_size, config.intermediate_size) * 1e9
-    floors = {"sampling": sampling_flops, "reference pass": forward_flops, "policy forward": forward_flops,
-              "backward": 2 * forward_flops, "optimizer step": 0}
+    floors = {
+        "sampling": sampling_flops,
+        "reference pass": forward_flops,
+        "policy forward": forward_flops,
+        "backward": 2 * forward_flops,
+        "optimizer step": 0,
+    }
     return [(name, statistics.median(values), floors[name] / rate) for name, values in times.items()]
 
 
@@ -467,36 +530,58 @@ def machine() -> str:
     import trl
 
     cpuinfo = open("/proc/cpuinfo").read().splitlines() if os.path.exists("/proc/cpuinfo") else []
-    cpu = next((line.split(":", 1)[1].strip() for line in cpuinfo if line.startswith("model name")),
-               platform.processor())
+    cpu = next(
+        (line.split(":", 1)[1].strip() for line in cpuinfo if line.startswith("model name")), platform.processor()
+    )
     flags = set(next((line.split(":", 1)[1].split() for line in cpuinfo if line.startswith("flags")), []))
     # The flags that change which kernels run: bf16 matmuls are 1.5x faster than float32 with
     # avx512_bf16 and 3x slower without; bitsandbytes takes another 4-bit path with it.
     named = ", ".join(f"{flag} {'yes' if flag in flags else 'no'}" for flag in CPU_FLAGS)
-    return (f"{cpu} ({named}), {os.cpu_count()} cores visible, torch {torch.__version__} "
-            f"({torch.get_num_threads()} threads), "
-            f"transformers {transformers.__version__}, trl {trl.__version__}, Python {platform.python_version()}")
+    return (
+        f"{cpu} ({named}), {os.cpu_count()} cores visible, torch {torch.__version__} "
+        f"({torch.get_num_threads()} threads), "
+        f"transformers {transformers.__version__}, trl {trl.__version__}, Python {platform.python_version()}"
+    )
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--size", action="append", choices=sorted(BENCH_SIZES),
-                        help="repeatable; default tiny and small (--device cuda: 0.5b and 1.5b)")
+    parser.add_argument(
+        "--size",
+        action="append",
+        choices=sorted(BENCH_SIZES),
+        help="repeatable; default tiny and small (--device cuda: 0.5b and 1.5b)",
+    )
     parser.add_argument("--steps", type=int, default=8, help="timed steps per side, after the warm-up")
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--sampler", default="fast", choices=("fast", "hf"), help="our sampler backend")
-    parser.add_argument("--bf16", action="store_true",
-                        help="bfloat16 mixed precision on both sides (ours: model.autocast=bfloat16; TRL: bf16=True)")
-    parser.add_argument("--one-pass-per-completion", action="store_true",
-                        help="with --phases: the update passes as trainer.share_prompt_pass=false runs them")
-    parser.add_argument("--phases", action="store_true",
-                        help="only our step, phase by phase, against each phase's matmul floor (no TRL)")
+    parser.add_argument(
+        "--bf16",
+        action="store_true",
+        help="bfloat16 mixed precision on both sides (ours: model.autocast=bfloat16; TRL: bf16=True)",
+    )
+    parser.add_argument(
+        "--one-pass-per-completion",
+        action="store_true",
+        help="with --phases: the update passes as trainer.share_prompt_pass=false runs them",
+    )
+    parser.add_argument(
+        "--phases",
+        action="store_true",
+        help="only our step, phase by phase, against each phase's matmul floor (no TRL)",
+    )
     parser.add_argument("--profile", action="store_true", help="only torch.profiler's table of one of our steps")
-    parser.add_argument("--device", default="cpu",
-                        help="cuda: our step alone on the 0.5b and 1.5b shapes in bfloat16 (sampling tok/s, "
-                             "update MFU, peak GPU memory); cpu: the comparison with TRL")
-    parser.add_argument("--peak-tflops", type=float,
-                        help="the device's dense bfloat16 peak for MFU (known: " + ", ".join(BF16_PEAK_TFLOPS) + ")")
+    parser.add_argument(
+        "--device",
+        default="cpu",
+        help="cuda: our step alone on the 0.5b and 1.5b shapes in bfloat16 (sampling tok/s, "
+        "update MFU, peak GPU memory); cpu: the comparison with TRL",
+    )
+    parser.add_argument(
+        "--peak-tflops",
+        type=float,
+        help="the device's dense bfloat16 peak for MFU (known: " + ", ".join(BF16_PEAK_TFLOPS) + ")",
+    )
     parser.add_argument("--json", type=Path, help="also write the results here")
     args = parser.parse_args()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -512,10 +597,13 @@ def main() -> None:
         for size in args.size or list(GPU_SIZES):
             figures = device_figures(size, args.device, args.steps, peak)
             results.append({"size": size, "device": args.device, "peak_tflops": peak, **figures})
-            print(f"{size} on {args.device}: {figures['step_seconds']:.3f} s/step, sampling "
-                  f"{figures['sampling_tokens_per_second']:.0f} tok/s, update {figures['update_seconds']:.3f} s "
-                  f"({figures['update_tflops']:.1f} TFLOP/s, MFU {figures['update_mfu']:.1%} of {peak:g}), "
-                  f"peak memory {figures['peak_memory_gb']:.2f} GB", flush=True)
+            print(
+                f"{size} on {args.device}: {figures['step_seconds']:.3f} s/step, sampling "
+                f"{figures['sampling_tokens_per_second']:.0f} tok/s, update {figures['update_seconds']:.3f} s "
+                f"({figures['update_tflops']:.1f} TFLOP/s, MFU {figures['update_mfu']:.1%} of {peak:g}), "
+                f"peak memory {figures['peak_memory_gb']:.2f} GB",
+                flush=True,
+            )
         if args.json:
             args.json.write_text(json.dumps(results, indent=2))
         return
@@ -527,8 +615,10 @@ def main() -> None:
         for size in args.size or ["tiny", "small"]:
             config = json.loads((bench_model(size) / "config.json").read_text())
             shape = (4096, config["hidden_size"], config["intermediate_size"])
-            print(f"{size} matmul {shape[0]}x{shape[1]} @ {shape[1]}x{shape[2]}: "
-                  f"float32 {matmul_rate(*shape):.0f} GFLOP/s, bfloat16 {matmul_rate(*shape, dtype='bfloat16'):.0f} GFLOP/s")
+            print(
+                f"{size} matmul {shape[0]}x{shape[1]} @ {shape[1]}x{shape[2]}: "
+                f"float32 {matmul_rate(*shape):.0f} GFLOP/s, bfloat16 {matmul_rate(*shape, dtype='bfloat16'):.0f} GFLOP/s"
+            )
             phases = phase_times(size, args.steps, shared=not args.one_pass_per_completion)
             total, floor = sum(row[1] for row in phases), sum(row[2] for row in phases)
             for name, seconds, phase_floor in phases + [("step", total, floor)]:
@@ -544,13 +634,19 @@ def main() -> None:
         steps["sampler"] = sampler
         results.append(steps)
         ours, trl = steps["ours"], steps["trl"]
-        print(f"{size}: ours {ours['median_seconds']:.3f} s/step (generate {ours['median_generate_seconds']:.3f} s, "
-              f"{ours['generate_tokens_per_second']:.0f} tok/s, peak RSS {ours['peak_rss_gb']:.2f} GB) | "
-              f"TRL {trl['median_seconds']:.3f} s/step (generate {trl['median_generate_seconds']:.3f} s, "
-              f"{trl['generate_tokens_per_second']:.0f} tok/s, peak RSS {trl['peak_rss_gb']:.2f} GB) | "
-              f"ratio {steps['ratio']:.2f}", flush=True)
-        print(f"{size} sampler: fast {sampler['fast_tokens_per_second']:.0f} tok/s, generate "
-              f"{sampler['hf_tokens_per_second']:.0f} tok/s, {sampler['speedup']:.2f}x", flush=True)
+        print(
+            f"{size}: ours {ours['median_seconds']:.3f} s/step (generate {ours['median_generate_seconds']:.3f} s, "
+            f"{ours['generate_tokens_per_second']:.0f} tok/s, peak RSS {ours['peak_rss_gb']:.2f} GB) | "
+            f"TRL {trl['median_seconds']:.3f} s/step (generate {trl['median_generate_seconds']:.3f} s, "
+            f"{trl['generate_tokens_per_second']:.0f} tok/s, peak RSS {trl['peak_rss_gb']:.2f} GB) | "
+            f"ratio {steps['ratio']:.2f}",
+            flush=True,
+        )
+        print(
+            f"{size} sampler: fast {sampler['fast_tokens_per_second']:.0f} tok/s, generate "
+            f"{sampler['hf_tokens_per_second']:.0f} tok/s, {sampler['speedup']:.2f}x",
+            flush=True,
+        )
     if args.json:
         args.json.write_text(json.dumps(results, indent=2))
 

@@ -24,8 +24,11 @@ def main() -> None:
     args = parser.parse_args()
     changes = {
         key: value
-        for key, value in (("warm_start_steps", args.warm_start_steps),
-                           ("warm_start_lr", args.warm_start_lr), ("seed", args.seed))
+        for key, value in (
+            ("warm_start_steps", args.warm_start_steps),
+            ("warm_start_lr", args.warm_start_lr),
+            ("seed", args.seed),
+        )
         if value is not None
     }
     spec = dataclasses.replace(TINY_MODELS[args.name], **changes)

@@ -144,11 +144,16 @@ def report(modules: list[Module], max_function_lines: int) -> str:
     lines = [f"{'lines':>6}  module"]
     lines += [f"{module.lines:>6}  {module.name}" for module in sorted(modules, key=lambda m: -m.lines)]
     lines.append(f"{sum(module.lines for module in modules):>6}  in {len(modules)} modules")
-    long_functions = sorted(((length, f"{module.name}.{function}") for module in modules
-                             for function, length in module.long_functions), reverse=True)
+    long_functions = sorted(
+        ((length, f"{module.name}.{function}") for module in modules for function, length in module.long_functions),
+        reverse=True,
+    )
     lines.append(f"\nfunctions over {max_function_lines} lines: {len(long_functions)}")
     lines += [f"{length:>6}  {function}" for length, function in long_functions]
-    for kind, attribute in (("module-level imports", "top_level_imports"), ("all imports, lazy ones too", "all_imports")):
+    for kind, attribute in (
+        ("module-level imports", "top_level_imports"),
+        ("all imports, lazy ones too", "all_imports"),
+    ):
         found = cycles({module.name: getattr(module, attribute) for module in modules})
         lines.append(f"\nimport cycles ({kind}): {len(found)}")
         lines += ["  " + " <-> ".join(component) for component in found]

@@ -56,7 +56,6 @@ def contained(monkeypatch, tmp_path):
     yield runners
     assert runners, "the test started no sandbox run"
     uids = {SANDBOX_UID_BASE + pid for pid in runners}
-    leaked = {pid: info for pid, info in live_processes().items()
-              if info[0] in uids or info[1] in runners}
+    leaked = {pid: info for pid, info in live_processes().items() if info[0] in uids or info[1] in runners}
     assert not leaked, f"processes left behind: {leaked}"
     assert list(sandboxes.iterdir()) == [], "a temporary folder was left behind"

@@ -46,8 +46,9 @@ def train_once(cfg, rollout, advantages, place):
     scheduler = make_scheduler(cfg.optimizer, optimizer, 1)
     gradients = []  # read just before the step: update_policy frees them after it
     optimizer.register_step_pre_hook(lambda *_: gradients.extend(full(p.grad).clone() for p in parameters))
-    stats = update_policy(models, rollout, advantages, optimizer, scheduler, cfg.trainer,
-                          cfg.optimizer.max_grad_norm, 0.04, place)
+    stats = update_policy(
+        models, rollout, advantages, optimizer, scheduler, cfg.trainer, cfg.optimizer.max_grad_norm, 0.04, place
+    )
     return stats, gradients, [full(p.detach()).clone() for p in parameters]
 
 
@@ -55,18 +56,25 @@ def main() -> None:
     model_dir, aggregation, out = sys.argv[1:4]
     mode = sys.argv[4] if len(sys.argv) > 4 else "ddp"
     place = join_process_group(mode)
-    cfg = config(model_dir, f"data.prompts_per_step={PROMPTS}", f"sampler.group_size={GROUP}",
-                 "sampler.max_new_tokens=6", "trainer.micro_batch_size=4", f"trainer.loss_aggregation={aggregation}",
-                 "optimizer.lr=1e-3", "optimizer.max_grad_norm=0",
-                 # Adam moves a weight by lr * g / (|g| + eps): with the default eps 1e-8, a
-                 # rounding difference d in a gradient near 0 moves it by up to lr * d / 1e-8, so
-                 # the weights would agree only as far as the summation order of the CPU allows.
-                 # With eps 1e-3 the two sides' weights differ by at most lr * d / 1e-3 = d / 1:
-                 # the test's 1e-5 bound on weights follows from its 1e-6 bound on gradients.
-                 "optimizer.kwargs={eps: 1e-3}",
-                 # torchrun runs one pass per completion (update.py); so does the whole-batch
-                 # process, so the two agree to the last bits rather than to float rounding.
-                 "trainer.share_prompt_pass=false")
+    cfg = config(
+        model_dir,
+        f"data.prompts_per_step={PROMPTS}",
+        f"sampler.group_size={GROUP}",
+        "sampler.max_new_tokens=6",
+        "trainer.micro_batch_size=4",
+        f"trainer.loss_aggregation={aggregation}",
+        "optimizer.lr=1e-3",
+        "optimizer.max_grad_norm=0",
+        # Adam moves a weight by lr * g / (|g| + eps): with the default eps 1e-8, a
+        # rounding difference d in a gradient near 0 moves it by up to lr * d / 1e-8, so
+        # the weights would agree only as far as the summation order of the CPU allows.
+        # With eps 1e-3 the two sides' weights differ by at most lr * d / 1e-3 = d / 1:
+        # the test's 1e-5 bound on weights follows from its 1e-6 bound on gradients.
+        "optimizer.kwargs={eps: 1e-3}",
+        # torchrun runs one pass per completion (update.py); so does the whole-batch
+        # process, so the two agree to the last bits rather than to float rounding.
+        "trainer.share_prompt_pass=false",
+    )
     torch.manual_seed(0)
     models = load_models(cfg.model, 0.0, torch.device("cpu"))
     batch = PromptSource(cfg.data, models.tokenizer).next_batch()

@@ -52,13 +52,18 @@ def load_script(name: str):
     return module
 
 
-def run_script(program: str, *overrides: str, cwd: Path | None = None, check: bool = True,
-               env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+def run_script(
+    program: str, *overrides: str, cwd: Path | None = None, check: bool = True, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess:
     """`PROGRAM OVERRIDES...` (a console script of this venv) in a child process; raises with
     its output if it fails and `check`."""
     result = subprocess.run(
-        [str(SCRIPTS_DIR / program), *overrides], capture_output=True, text=True, cwd=cwd,
-        env={**os.environ, "HF_HUB_OFFLINE": "1", **(env or {})}, timeout=900,
+        [str(SCRIPTS_DIR / program), *overrides],
+        capture_output=True,
+        text=True,
+        cwd=cwd,
+        env={**os.environ, "HF_HUB_OFFLINE": "1", **(env or {})},
+        timeout=900,
     )
     if check and result.returncode != 0:
         raise AssertionError(f"{program} failed ({result.returncode}):\n{result.stdout}\n{result.stderr}")
@@ -76,8 +81,9 @@ def input_error(program: str, *overrides: str, cwd: Path, env: dict[str, str] | 
     return " ".join(result.stderr.split())
 
 
-def grpo_train(*overrides: str, cwd: Path | None = None, check: bool = True,
-               env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+def grpo_train(
+    *overrides: str, cwd: Path | None = None, check: bool = True, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess:
     """`grpo-train OVERRIDES...` in a child process; raises with its output if it fails."""
     return run_script("grpo-train", *overrides, cwd=cwd, check=check, env=env)
 
@@ -89,11 +95,17 @@ def config(tiny_model_dir, *overrides: str):
     from grpo_cli.config import Config
 
     cfg = OmegaConf.structured(Config)
-    cfg.merge_with_dotlist([
-        f"model.name_or_path={tiny_model_dir}", "data.path=synthetic:addition",
-        "data.prompts_per_step=2", "sampler.group_size=4", "sampler.max_new_tokens=4",
-        "optimizer.lr=1e-2", *overrides,
-    ])
+    cfg.merge_with_dotlist(
+        [
+            f"model.name_or_path={tiny_model_dir}",
+            "data.path=synthetic:addition",
+            "data.prompts_per_step=2",
+            "sampler.group_size=4",
+            "sampler.max_new_tokens=4",
+            "optimizer.lr=1e-2",
+            *overrides,
+        ]
+    )
     return cfg
 
 
@@ -137,8 +149,16 @@ def one_step(cfg, edit_rollout=None) -> OneStep:
     before = [p.detach().clone() for p in parameters]
     optimizer = make_optimizer(cfg.optimizer, parameters)
     scheduler = make_scheduler(cfg.optimizer, optimizer, cfg.trainer.num_iterations)
-    stats = update_policy(models, rollout, advantages, optimizer, scheduler, cfg.trainer,
-                          cfg.optimizer.max_grad_norm, beta=beta_at(betas, 0))
+    stats = update_policy(
+        models,
+        rollout,
+        advantages,
+        optimizer,
+        scheduler,
+        cfg.trainer,
+        cfg.optimizer.max_grad_norm,
+        beta=beta_at(betas, 0),
+    )
     changed = sum(not torch.equal(b, p) for b, p in zip(before, parameters))
     return OneStep(models, rollout, stats, changed, len(parameters))
 
@@ -154,9 +174,16 @@ def token_counts(model_dir, backend: str, temperature: float, samples: int, seed
     from grpo_cli.models.loading import load_models
     from grpo_cli.sampling import make_sampler
 
-    cfg = config(model_dir, f"sampler.backend={backend}", "data.prompts_per_step=1", f"sampler.group_size={samples}",
-                 "sampler.max_new_tokens=2", "sampler.min_new_tokens=2", f"sampler.temperature={temperature}",
-                 *overrides)
+    cfg = config(
+        model_dir,
+        f"sampler.backend={backend}",
+        "data.prompts_per_step=1",
+        f"sampler.group_size={samples}",
+        "sampler.max_new_tokens=2",
+        "sampler.min_new_tokens=2",
+        f"sampler.temperature={temperature}",
+        *overrides,
+    )
     models = load_models(cfg.model, 0.0, torch.device("cpu"))
     batch = PromptSource(cfg.data, models.tokenizer).next_batch()
     torch.manual_seed(seed)

@@ -20,6 +20,9 @@ def shared_file(relative: str, what: str) -> Path:
     "tests need ../shared/data/gsm8k/test.jsonl (GSM8K, laid beside the project root as in CI); missing: /abs/path"."""
     path = SHARED_DATA / relative
     if not path.is_file():
-        pytest.fail(f"tests need {os.path.relpath(path, PROJECT_ROOT)} ({what}, laid beside the project root "
-                    f"as in CI); missing: {path}", pytrace=False)
+        pytest.fail(
+            f"tests need {os.path.relpath(path, PROJECT_ROOT)} ({what}, laid beside the project root "
+            f"as in CI); missing: {path}",
+            pytrace=False,
+        )
     return path

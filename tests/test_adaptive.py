@@ -55,15 +55,23 @@ def test_each_change_is_recorded_with_its_reason():
 
 
 def test_validate_rejects_adaptive_settings_that_cannot_work(tiny_model_dir):
-    cfg = config(tiny_model_dir, "sampler.adaptive.enabled=true", "sampler.adaptive.max_group_size=4",
-                 "sampler.adaptive.duration=0")
+    cfg = config(
+        tiny_model_dir,
+        "sampler.adaptive.enabled=true",
+        "sampler.adaptive.max_group_size=4",
+        "sampler.adaptive.duration=0",
+    )
     with pytest.raises(ConfigError) as error:
         validate(cfg, check_files=False)
     assert "sampler.adaptive.max_group_size=4 must exceed sampler.group_size=4" in str(error.value)
     assert "sampler.adaptive.duration=0 must be at least 1" in str(error.value)
     # 2 prompts x G 4 = 8 completions: micro-batches of 8 fit, but a raised step (2 x 6 = 12) does not
-    cfg = config(tiny_model_dir, "sampler.adaptive.enabled=true", "sampler.adaptive.max_group_size=6",
-                 "trainer.micro_batch_size=8")
+    cfg = config(
+        tiny_model_dir,
+        "sampler.adaptive.enabled=true",
+        "sampler.adaptive.max_group_size=6",
+        "trainer.micro_batch_size=8",
+    )
     with pytest.raises(ConfigError, match=r"divide the completions of a raised step, data.prompts_per_step x 6 = 12"):
         validate(cfg, check_files=False)
 
@@ -73,9 +81,16 @@ def always_half(prompts, completions, **_):
     return [0.5] * len(completions)
 
 
-ADAPTIVE_RUN = ["sampler.adaptive.enabled=true", "sampler.adaptive.patience=2", "sampler.adaptive.duration=2",
-                "sampler.adaptive.max_group_size=8", "trainer.sample_every=1", "trainer.sample_prompts=1",
-                "trainer.checkpoint_every=0", "data.eval_size=4"]
+ADAPTIVE_RUN = [
+    "sampler.adaptive.enabled=true",
+    "sampler.adaptive.patience=2",
+    "sampler.adaptive.duration=2",
+    "sampler.adaptive.max_group_size=8",
+    "trainer.sample_every=1",
+    "trainer.sample_prompts=1",
+    "trainer.checkpoint_every=0",
+    "data.eval_size=4",
+]
 
 
 def flat_run(tiny_model_dir, folder, *overrides):

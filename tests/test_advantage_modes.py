@@ -1,9 +1,9 @@
 """Each advantage mode of group_advantages, and combine_rewards, on small cases worked by hand.
 
-    grpo       A_i = (r_i - mean) / (sample std + eps)
-    rloo       A_i = r_i - mean of the other G - 1 rewards = G / (G - 1) * (r_i - mean)
-    dr_grpo    A_i = r_i - mean
-    batch_std  A_i = (r_i - group mean) / (sample std of all B*G rewards + eps)
+grpo       A_i = (r_i - mean) / (sample std + eps)
+rloo       A_i = r_i - mean of the other G - 1 rewards = G / (G - 1) * (r_i - mean)
+dr_grpo    A_i = r_i - mean
+batch_std  A_i = (r_i - group mean) / (sample std of all B*G rewards + eps)
 """
 
 from __future__ import annotations
@@ -19,7 +19,9 @@ NO_EPS = dict(std_eps=0.0, std_threshold=1e-4)
 
 
 def advantages(rewards: list[list[float]], mode: str, **settings) -> list[float]:
-    return group_advantages(torch.tensor(rewards, dtype=torch.float32), mode=mode, **(settings or NO_EPS)).values.tolist()
+    return group_advantages(
+        torch.tensor(rewards, dtype=torch.float32), mode=mode, **(settings or NO_EPS)
+    ).values.tolist()
 
 
 # ---------------------------------------------------------------- group_advantages, mode by mode
@@ -88,8 +90,9 @@ def test_unknown_mode_raises():
 
 def test_plain_sum_treats_nan_as_no_opinion():
     # f = (1, NaN), g = (NaN, 2), weights 1 and 3: (1 + 0, 0 + 3 * 2) = (1, 6)
-    total = combine_rewards({"f": torch.tensor([[1.0, math.nan]]), "g": torch.tensor([[math.nan, 2.0]])},
-                            {"f": 1.0, "g": 3.0})
+    total = combine_rewards(
+        {"f": torch.tensor([[1.0, math.nan]]), "g": torch.tensor([[math.nan, 2.0]])}, {"f": 1.0, "g": 3.0}
+    )
     assert total.tolist() == [[1.0, 6.0]]
 
 
@@ -100,7 +103,9 @@ def test_clip_applies_to_each_function_before_its_weight():
     # total (2 + 0, -2 + 0.2, 1 + 0.3, 0 + 0.4) = (2, -1.8, 1.3, 0.4)
     total = combine_rewards(
         {"f": torch.tensor([[5.0, -3.0, 0.5, math.nan]]), "g": torch.tensor([[math.nan, 0.2, 0.3, 0.4]])},
-        {"f": 2.0, "g": 1.0}, clip=(-1.0, 1.0))
+        {"f": 2.0, "g": 1.0},
+        clip=(-1.0, 1.0),
+    )
     assert total.tolist() == [pytest.approx([2.0, -1.8, 1.3, 0.4], abs=1e-6)]
 
 
@@ -136,8 +141,9 @@ def test_normalize_each_stops_a_large_scale_function_from_dominating():
 
 def test_normalize_each_gives_zero_for_a_constant_function():
     # f constant in its group -> z = 0 / (0 + eps) = 0; only g = (0, 10) -> (-0.707097, 0.707097) remains
-    total = combine_rewards({"f": torch.tensor([[7.0, 7.0]]), "g": torch.tensor([[0.0, 10.0]])},
-                            {"f": 5.0, "g": 1.0}, normalize_each=True)
+    total = combine_rewards(
+        {"f": torch.tensor([[7.0, 7.0]]), "g": torch.tensor([[0.0, 10.0]])}, {"f": 5.0, "g": 1.0}, normalize_each=True
+    )
     assert total.tolist() == [pytest.approx([-0.707097, 0.707097], abs=1e-6)]
 
 
@@ -156,5 +162,7 @@ def test_normalize_each_weights_after_normalizing_and_per_group():
     # f = (0, 10) -> 3 * (-0.707097, 0.707097) = (-2.121291, 2.121291).
     # the second group (100, 300) is z-scored on its own: mean 200, std 141.421 -> same (-+0.707106) * 3
     total = combine_rewards({"f": torch.tensor([[0.0, 10.0], [100.0, 300.0]])}, {"f": 3.0}, normalize_each=True)
-    assert total.tolist() == [pytest.approx([-2.121291, 2.121291], abs=1e-5),
-                              pytest.approx([-2.121318, 2.121318], abs=1e-5)]
+    assert total.tolist() == [
+        pytest.approx([-2.121291, 2.121291], abs=1e-5),
+        pytest.approx([-2.121318, 2.121318], abs=1e-5),
+    ]

@@ -25,10 +25,13 @@ def preset(*overrides: str):
         return compose(config_name="config", overrides=["conf=smollm2_arithmetic", *overrides])
 
 
-@pytest.mark.parametrize("task,problems", [
-    ("plus-minus-one", 998 + 998),  # N + 1 and N - 1 for N in 2..999
-    ("small-mixed", 196 + 105 + 196),  # + and * on every pair of 2..15, - where a >= b (14 * 15 / 2)
-])
+@pytest.mark.parametrize(
+    "task,problems",
+    [
+        ("plus-minus-one", 998 + 998),  # N + 1 and N - 1 for N in 2..999
+        ("small-mixed", 196 + 105 + 196),  # + and * on every pair of 2..15, - where a >= b (14 * 15 / 2)
+    ],
+)
 def test_a_task_holds_out_45_percent_of_its_problems_and_never_trains_on_them(task, problems):
     train, held_out = arithmetic_rows(task, "train"), arithmetic_rows(task, "eval")
     assert len(train) + len(held_out) == problems and len(held_out) == round(0.45 * problems)
@@ -52,18 +55,21 @@ def presets_scorer() -> RewardScorer:
     return RewardScorer.from_config(cfg.reward, cfg.trainer.std_eps)
 
 
-@pytest.mark.parametrize("reply,correct,well_formed,answer_anywhere", [
-    ("78", 1.0, 1.0, 1.0),
-    (" 78.", 1.0, 1.0, 1.0),
-    ("13 * 6 = 78", 1.0, 1.0, 1.0),  # the sum written out, then the answer
-    ("77", 0.0, 1.0, 0.0),  # well-formed and wrong
-    ("13 * 6 = 77", 0.0, 1.0, 0.0),
-    ("13 * 6", 0.0, 0.0, 0.0),  # echoing the question's numbers earns nothing
-    ("13 6", 0.0, 0.0, 0.0),
-    ("78 is close to 80", 0.0, 0.0, 0.0),
-    ("13 * 6 = 78\n\nYou're right, 13 * 6 is 78", 0.0, 0.0, 1.0),  # right, but rambling: nothing
-    ("", 0.0, 0.0, 0.0),
-])
+@pytest.mark.parametrize(
+    "reply,correct,well_formed,answer_anywhere",
+    [
+        ("78", 1.0, 1.0, 1.0),
+        (" 78.", 1.0, 1.0, 1.0),
+        ("13 * 6 = 78", 1.0, 1.0, 1.0),  # the sum written out, then the answer
+        ("77", 0.0, 1.0, 0.0),  # well-formed and wrong
+        ("13 * 6 = 77", 0.0, 1.0, 0.0),
+        ("13 * 6", 0.0, 0.0, 0.0),  # echoing the question's numbers earns nothing
+        ("13 6", 0.0, 0.0, 0.0),
+        ("78 is close to 80", 0.0, 0.0, 0.0),
+        ("13 * 6 = 78\n\nYou're right, 13 * 6 is 78", 0.0, 0.0, 1.0),  # right, but rambling: nothing
+        ("", 0.0, 0.0, 0.0),
+    ],
+)
 def test_the_presets_reward_pays_for_the_right_number_alone(reply, correct, well_formed, answer_anywhere):
     scorer = presets_scorer()
     scored = scorer.score_texts(["What is 13 * 6?"], [reply], {"answer": ["78"]}, (1,))
@@ -91,9 +97,15 @@ def test_the_preset_trains_the_real_model_and_its_summary_shows_each_functions_e
     # The preset as a user runs it, cut to 2 steps and 8 eval problems: the builtin model from
     # the cache (smollm2_dir fetched it), the chat template, the three reward functions.
     run = tmp_path / "run"
-    result = grpo_train("conf=smollm2_arithmetic", f"hydra.run.dir={run}", "trainer.steps=2",
-                        "trainer.eval_every=2", "trainer.checkpoint_every=2", "data.eval_size=8",
-                        "sampler.max_new_tokens=12")
+    result = grpo_train(
+        "conf=smollm2_arithmetic",
+        f"hydra.run.dir={run}",
+        "trainer.steps=2",
+        "trainer.eval_every=2",
+        "trainer.checkpoint_every=2",
+        "data.eval_size=8",
+        "sampler.max_new_tokens=12",
+    )
     evals = [row for row in read_metrics(run) if "eval/accuracy" in row]
     assert [row["step"] for row in evals] == [0, 2]
     for row in evals:

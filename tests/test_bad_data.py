@@ -39,22 +39,27 @@ def validate_error(tiny_model_dir: Path, *overrides: str) -> str:
 # ---------------------------------------------------------------- the prompt and the answer
 
 
-@pytest.mark.parametrize("value,described", [
-    (17, "the number 17"),
-    (2.5, "the number 2.5"),
-    (None, "null"),
-    (True, "the boolean true"),
-    ({"text": "hi"}, "an object {'text': 'hi'}"),
-    (["a", "b"], "a list ['a', 'b']"),
-    ("", "an empty string"),
-    ("  \n", "only whitespace ('  \\n')"),
-])
+@pytest.mark.parametrize(
+    "value,described",
+    [
+        (17, "the number 17"),
+        (2.5, "the number 2.5"),
+        (None, "null"),
+        (True, "the boolean true"),
+        ({"text": "hi"}, "an object {'text': 'hi'}"),
+        (["a", "b"], "a list ['a', 'b']"),
+        ("", "an empty string"),
+        ("  \n", "only whitespace ('  \\n')"),
+    ],
+)
 def test_a_prompt_that_is_not_text_is_refused(tiny_model_dir, tmp_path, value, described):
     # Before: str(value) became the prompt ("None", "{'text': 'hi'}", ""), and training went on.
     path = write_jsonl(tmp_path / "rows.jsonl", [GOOD, {"prompt": value, "answer": "3"}, GOOD])
     message = validate_error(tiny_model_dir, f"data.path={path}")
-    assert (f"data.prompt_field='prompt': record 2 of {path} holds {described}, not prompt text. Every "
-            "prompt must be a non-empty string") in message
+    assert (
+        f"data.prompt_field='prompt': record 2 of {path} holds {described}, not prompt text. Every "
+        "prompt must be a non-empty string"
+    ) in message
 
 
 def test_bad_prompts_are_counted_and_a_huge_one_is_shown_short(tiny_model_dir, tmp_path):
@@ -76,8 +81,10 @@ def test_an_empty_csv_prompt_and_a_null_parquet_prompt(tiny_model_dir, tmp_path)
 def test_a_null_answer_is_refused(tiny_model_dir, tmp_path):
     path = write_jsonl(tmp_path / "rows.jsonl", [GOOD, GOOD, {"prompt": "What is 2 + 2?", "answer": None}])
     message = validate_error(tiny_model_dir, f"data.path={path}")
-    assert (f"data.answer_field='answer': record 3 of {path} holds null, so its completions cannot be "
-            "scored. Give every record an answer, or drop those records.") in message
+    assert (
+        f"data.answer_field='answer': record 3 of {path} holds null, so its completions cannot be "
+        "scored. Give every record an answer, or drop those records."
+    ) in message
 
 
 def test_good_prompts_and_answers_pass(tiny_model_dir, tmp_path):
@@ -94,9 +101,11 @@ def test_a_column_named_like_a_reward_argument_is_refused(tiny_model_dir, tmp_pa
     # 'completions'") blaming the reward function, or completion_length silently replaced it.
     path = write_jsonl(tmp_path / "rows.jsonl", [GOOD, {**GOOD, column: "x"}])
     message = validate_error(tiny_model_dir, f"data.path={path}")
-    assert (f"data.path={path}: the column '{column}' has the name of an argument every reward function "
-            "is called with (prompts, completions, completion_length), so it cannot reach them as a "
-            "column. Rename the column in the file") in message
+    assert (
+        f"data.path={path}: the column '{column}' has the name of an argument every reward function "
+        "is called with (prompts, completions, completion_length), so it cannot reach them as a "
+        "column. Rename the column in the file"
+    ) in message
 
 
 def test_a_prompt_field_named_prompts_is_no_column(tiny_model_dir, tmp_path):
@@ -110,28 +119,40 @@ def test_a_ragged_csv_row_names_its_line(tiny_model_dir, tmp_path, row, fields):
     path.write_text(f'prompt,answer\nWhat is 1 + 2?,3\n"What is\n1 + 1?",2\n{row}\n', encoding="utf-8")
     message = validate_error(tiny_model_dir, f"data.path={path}")
     # line 5: the quoted prompt of the record before spans lines 3 and 4
-    assert (f"Data file {path} could not be read as csv: line 5 has {fields} fields, but the header has 2 "
-            "(prompt, answer). Quote values that hold commas, and give every row one value per column") in message
+    assert (
+        f"Data file {path} could not be read as csv: line 5 has {fields} fields, but the header has 2 "
+        "(prompt, answer). Quote values that hold commas, and give every row one value per column"
+    ) in message
 
 
-@pytest.mark.parametrize("name,text", [
-    ("rows.jsonl", json.dumps(GOOD) + "\n" + "[" * 100_000 + "]" * 100_000 + "\n"),
-    ("rows.json", "[" * 100_000 + "]" * 100_000),
-])
+@pytest.mark.parametrize(
+    "name,text",
+    [
+        ("rows.jsonl", json.dumps(GOOD) + "\n" + "[" * 100_000 + "]" * 100_000 + "\n"),
+        ("rows.json", "[" * 100_000 + "]" * 100_000),
+    ],
+)
 def test_a_deeply_nested_record_is_a_message_not_a_recursion_error(tiny_model_dir, tmp_path, name, text):
     path = tmp_path / name
     path.write_text(text, encoding="utf-8")
     where = "line 2" if name.endswith("jsonl") else "the file"
-    assert (f"Data file {path} could not be read as {path.suffix[1:]}: {where} is nested too deeply to read"
-            in validate_error(tiny_model_dir, f"data.path={path}"))
+    assert (
+        f"Data file {path} could not be read as {path.suffix[1:]}: {where} is nested too deeply to read"
+        in validate_error(tiny_model_dir, f"data.path={path}")
+    )
 
 
 @pytest.mark.slow
 def test_a_deeply_nested_record_through_the_cli(tiny_model_dir, tmp_path):
     path = tmp_path / "rows.jsonl"
     path.write_text(json.dumps(GOOD) + "\n" + '{"prompt": ' + "[" * 100_000 + "]" * 100_000 + "}\n")
-    message = input_error("grpo-train", f"model.name_or_path={tiny_model_dir}", f"data.path={path}",
-                          f"hydra.run.dir={tmp_path / 'run'}", cwd=tmp_path)
+    message = input_error(
+        "grpo-train",
+        f"model.name_or_path={tiny_model_dir}",
+        f"data.path={path}",
+        f"hydra.run.dir={tmp_path / 'run'}",
+        cwd=tmp_path,
+    )
     assert f"data.path: Data file {path} could not be read as jsonl: line 2 is nested too deeply to read" in message
 
 
@@ -151,13 +172,16 @@ def make_special(kind: str, path: Path, tmp_path: Path) -> None:
         path.symlink_to(tmp_path / "gone.jsonl")
 
 
-@pytest.mark.parametrize("kind,said", [
-    ("fifo", "is a FIFO, not a regular file, so it was not opened"),
-    ("socket", "is a socket, not a regular file, so it was not opened"),
-    ("device", "is a character device, not a regular file, so it was not opened"),
-    ("loop", "is a symlink loop (its links lead back to themselves, never to a file)"),
-    ("dangling", "is a symlink to {tmp}/gone.jsonl, which does not exist. Fix the link"),
-])
+@pytest.mark.parametrize(
+    "kind,said",
+    [
+        ("fifo", "is a FIFO, not a regular file, so it was not opened"),
+        ("socket", "is a socket, not a regular file, so it was not opened"),
+        ("device", "is a character device, not a regular file, so it was not opened"),
+        ("loop", "is a symlink loop (its links lead back to themselves, never to a file)"),
+        ("dangling", "is a symlink to {tmp}/gone.jsonl, which does not exist. Fix the link"),
+    ],
+)
 def test_a_data_path_that_is_not_a_regular_file_says_what_it_is(tiny_model_dir, tmp_path, monkeypatch, kind, said):
     # Before: each was "does not exist". The FIFO is never opened: opening it would wait for a writer.
     monkeypatch.chdir(tmp_path)  # a short relative path: a socket's path must fit in 108 bytes

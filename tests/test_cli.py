@@ -26,8 +26,9 @@ GRPO_REPORT = str(Path(sys.executable).parent / "grpo-report")
 @pytest.fixture(scope="module")
 def three_step_run(tmp_path_factory, tiny_model_dir):
     run_dir = tmp_path_factory.mktemp("cli") / "run"
-    result = grpo_train(*QUICK, "trainer.steps=3", "trainer.checkpoint_every=2", "trainer.keep_last=5",
-                        f"hydra.run.dir={run_dir}")
+    result = grpo_train(
+        *QUICK, "trainer.steps=3", "trainer.checkpoint_every=2", "trainer.keep_last=5", f"hydra.run.dir={run_dir}"
+    )
     return run_dir, result
 
 
@@ -38,11 +39,28 @@ def test_run_dir_holds_config_metrics_and_checkpoints(three_step_run):
     rows = read_metrics(run_dir)
     assert [row["step"] for row in rows] == [0, 1, 2, 3]  # row 0: the greedy eval before training
     required = [
-        "reward/mean", "reward/std", "reward/exact_match/mean", "reward/exact_match/std",
-        "reward/exact_match/errors", "advantage/std",
-        "advantage/zero_std_fraction", "kl", "clip_fraction", "loss", "entropy", "grad_norm",
-        "completion/length_mean", "completion/length_max", "completion/truncated_fraction", "lr",
-        "beta", "time/step", "time/sample", "time/reward", "time/update", "tokens_per_second",
+        "reward/mean",
+        "reward/std",
+        "reward/exact_match/mean",
+        "reward/exact_match/std",
+        "reward/exact_match/errors",
+        "advantage/std",
+        "advantage/zero_std_fraction",
+        "kl",
+        "clip_fraction",
+        "loss",
+        "entropy",
+        "grad_norm",
+        "completion/length_mean",
+        "completion/length_max",
+        "completion/truncated_fraction",
+        "lr",
+        "beta",
+        "time/step",
+        "time/sample",
+        "time/reward",
+        "time/update",
+        "tokens_per_second",
     ]
     for row in rows[1:]:
         missing = [key for key in required if key not in row]
@@ -73,8 +91,14 @@ def test_resume_continues_step_counter_optimizer_and_metrics_exactly(three_step_
     # Nothing in it names its own folder (resume reads the command line, not config.yaml).
     run_dir = tmp_path / "resumed"
     shutil.copytree(three_step_run[0], run_dir)
-    result = grpo_train(*QUICK, "trainer.steps=5", "trainer.checkpoint_every=2", "trainer.keep_last=5",
-                        "trainer.resume=true", f"hydra.run.dir={run_dir}")
+    result = grpo_train(
+        *QUICK,
+        "trainer.steps=5",
+        "trainer.checkpoint_every=2",
+        "trainer.keep_last=5",
+        "trainer.resume=true",
+        f"hydra.run.dir={run_dir}",
+    )
     folded = "".join(result.stdout.split())  # the console folds a path longer than its 80 columns
     assert "Resuming from" in result.stdout and "resumed/checkpoints/step-000003" in folded
     rows = read_metrics(run_dir)
@@ -94,8 +118,9 @@ def test_resume_continues_step_counter_optimizer_and_metrics_exactly(three_step_
 
 def test_resume_from_a_given_checkpoint_folder(three_step_run, tmp_path):
     checkpoint = three_step_run[0] / "checkpoints" / "step-000002"
-    result = grpo_train(*QUICK, "trainer.steps=3", f"trainer.resume={checkpoint}",
-                        f"hydra.run.dir={tmp_path / 'rollback'}")
+    result = grpo_train(
+        *QUICK, "trainer.steps=3", f"trainer.resume={checkpoint}", f"hydra.run.dir={tmp_path / 'rollback'}"
+    )
     assert "(step 2)" in result.stdout
     assert [row["step"] for row in read_metrics(tmp_path / "rollback")] == [3]
 
@@ -103,8 +128,9 @@ def test_resume_from_a_given_checkpoint_folder(three_step_run, tmp_path):
 @pytest.mark.slow  # about a minute: make test runs it
 def test_multirun_sweep_writes_one_run_dir_per_job(tmp_path, tiny_model_dir):
     sweep = tmp_path / "sweep"
-    grpo_train("-m", *QUICK, "trainer.beta=0.01,0.04", "sampler.group_size=2,4", "trainer.steps=2",
-               f"hydra.sweep.dir={sweep}")
+    grpo_train(
+        "-m", *QUICK, "trainer.beta=0.01,0.04", "sampler.group_size=2,4", "trainer.steps=2", f"hydra.sweep.dir={sweep}"
+    )
     jobs = sorted(p for p in sweep.iterdir() if p.is_dir() and (p / "metrics.jsonl").exists())
     assert len(jobs) == 4
     seen = set()
@@ -125,7 +151,11 @@ def test_multirun_sweep_writes_one_run_dir_per_job(tmp_path, tiny_model_dir):
         table = list(csv.DictReader(handle))
     assert len(table) == 4 and {row["status"] for row in table} == {"ok"}
     assert {(row["trainer.beta"], row["sampler.group_size"]) for row in table} == {
-        ("0.01", "2"), ("0.01", "4"), ("0.04", "2"), ("0.04", "4")}
+        ("0.01", "2"),
+        ("0.01", "4"),
+        ("0.04", "2"),
+        ("0.04", "4"),
+    }
     accuracies = [float(row["final eval accuracy"]) for row in table]
     assert accuracies == sorted(accuracies, reverse=True)
     images = re.findall(r"\]\((plots/\w+\.png)\)", (jobs[0] / "report.md").read_text())
@@ -137,9 +167,16 @@ def test_lora_run_saves_a_peft_adapter_that_loads(tmp_path, tiny_model_dir):
     from transformers import AutoModelForCausalLM
 
     run_dir = tmp_path / "lora"
-    grpo_train(*QUICK, "trainer.steps=2", "model.lora.enabled=true", "model.lora.r=4",
-               "optimizer.lr=1e-3", ALTERNATING_REWARD, f"hydra.run.dir={run_dir}",  # step 1 has a gradient
-               env={"PYTHONPATH": TESTS_DIR})
+    grpo_train(
+        *QUICK,
+        "trainer.steps=2",
+        "model.lora.enabled=true",
+        "model.lora.r=4",
+        "optimizer.lr=1e-3",
+        ALTERNATING_REWARD,
+        f"hydra.run.dir={run_dir}",  # step 1 has a gradient
+        env={"PYTHONPATH": TESTS_DIR},
+    )
     checkpoint = run_dir / "checkpoints" / "step-000002"
     assert (checkpoint / "adapter_config.json").is_file()
     assert not (checkpoint / "model.safetensors").exists()  # the adapter only, not the base
@@ -157,8 +194,14 @@ def test_dapo_with_a_beta_schedule_logs_the_beta_in_force_and_the_sampling_round
     # algorithm=dapo sets beta 0; the command line wins with a schedule: 0.04 at the first
     # update, 0.02 after 1 of 2 warmup steps, 0.0 from the third step on.
     run_dir = tmp_path / "dapo"
-    grpo_train(*QUICK, "algorithm=dapo", "trainer.steps=3", "trainer.num_iterations=2",
-               "trainer.beta={start: 0.04, end: 0.0, warmup_steps: 2}", f"hydra.run.dir={run_dir}")
+    grpo_train(
+        *QUICK,
+        "algorithm=dapo",
+        "trainer.steps=3",
+        "trainer.num_iterations=2",
+        "trainer.beta={start: 0.04, end: 0.0, warmup_steps: 2}",
+        f"hydra.run.dir={run_dir}",
+    )
     rows = read_metrics(run_dir)[1:]
     assert [row["beta"] for row in rows] == pytest.approx([0.04, 0.02, 0.0])
     for row in rows:
@@ -170,8 +213,7 @@ def test_dapo_with_a_beta_schedule_logs_the_beta_in_force_and_the_sampling_round
 
 def test_two_weighted_rewards_with_normalize_each_log_both_functions(tmp_path, tiny_model_dir):
     run_dir = tmp_path / "two"
-    grpo_train(*QUICK, "trainer.steps=2", "reward=math", "reward.normalize_each=true",
-               f"hydra.run.dir={run_dir}")
+    grpo_train(*QUICK, "trainer.steps=2", "reward=math", "reward.normalize_each=true", f"hydra.run.dir={run_dir}")
     rows = read_metrics(run_dir)
     for row in rows[1:]:
         for name in ("math_accuracy", "format_reward"):
@@ -182,9 +224,15 @@ def test_two_weighted_rewards_with_normalize_each_log_both_functions(tmp_path, t
 
 
 def test_a_reward_that_always_fails_stops_the_run_naming_it(tmp_path, tiny_model_dir):
-    result = grpo_train(*QUICK, "trainer.steps=2", "data.eval_size=0",
-                        "reward.functions=[{_target_: test_rewards.always_raises, weight: 1.0}]",
-                        f"hydra.run.dir={tmp_path / 'bad'}", check=False, env={"PYTHONPATH": TESTS_DIR})
+    result = grpo_train(
+        *QUICK,
+        "trainer.steps=2",
+        "data.eval_size=0",
+        "reward.functions=[{_target_: test_rewards.always_raises, weight: 1.0}]",
+        f"hydra.run.dir={tmp_path / 'bad'}",
+        check=False,
+        env={"PYTHONPATH": TESTS_DIR},
+    )
     assert result.returncode == 2, result.stderr[-2000:]
     message = " ".join(result.stderr.split())  # the console wraps long lines
     assert "always_raises failed on 16 of 16 completions" in message
@@ -192,8 +240,9 @@ def test_a_reward_that_always_fails_stops_the_run_naming_it(tmp_path, tiny_model
 
 
 def test_missing_model_fails_fast_with_a_clear_message(tmp_path):
-    result = grpo_train("model.name_or_path=Qwen/Qwen2.5-7B-Instruct", "trainer.steps=1",
-                        f"hydra.run.dir={tmp_path}", check=False)
+    result = grpo_train(
+        "model.name_or_path=Qwen/Qwen2.5-7B-Instruct", "trainer.steps=1", f"hydra.run.dir={tmp_path}", check=False
+    )
     assert result.returncode == 2
     assert "model.name_or_path=Qwen/Qwen2.5-7B-Instruct" in result.stderr
     assert "Traceback" not in result.stderr + result.stdout

@@ -141,14 +141,22 @@ def test_validate_names_the_bad_key(overrides, expected):
 def test_algorithm_presets_set_the_variant_keys_and_win_over_the_run_preset():
     dapo = make(["conf=math_7b", "algorithm=dapo"]).trainer
     assert (dapo.loss_aggregation, dapo.clip_eps_high, dapo.filter_zero_std, dapo.mask_truncated) == (
-        "token_mean", 0.28, True, True)
+        "token_mean",
+        0.28,
+        True,
+        True,
+    )
     assert dapo.beta == 0.0  # DAPO drops the KL term, over math_7b's 0.02
     dr_grpo = make(["algorithm=dr_grpo"]).trainer
     assert (dr_grpo.advantage, dr_grpo.loss_aggregation) == ("dr_grpo", "constant")
     assert make(["algorithm=rloo"]).trainer.advantage == "rloo"
     paper = make([]).trainer
     assert (paper.advantage, paper.loss_aggregation, paper.kl_estimator, paper.clip_eps_high) == (
-        "grpo", "sequence_mean", "k3", None)
+        "grpo",
+        "sequence_mean",
+        "k3",
+        None,
+    )
     # The command line still wins over the algorithm preset.
     assert make(["algorithm=dapo", "trainer.clip_eps_high=0.3"]).trainer.clip_eps_high == 0.3
 
@@ -158,7 +166,8 @@ def test_a_run_preset_keeps_its_own_algorithm_keys_under_the_default_algorithm(t
     conf = tmp_path / "conf"
     shutil.copytree(CONF, conf)
     (conf / "conf" / "mine.yaml").write_text(
-        "# @package _global_\ntrainer:\n  advantage: rloo\n  kl_estimator: k2\n  mask_truncated: true\n")
+        "# @package _global_\ntrainer:\n  advantage: rloo\n  kl_estimator: k2\n  mask_truncated: true\n"
+    )
     with initialize_config_dir(config_dir=str(conf), version_base="1.3"):
         trainer = compose(config_name="config", overrides=["conf=mine"]).trainer
     assert (trainer.advantage, trainer.kl_estimator, trainer.mask_truncated) == ("rloo", "k2", True)

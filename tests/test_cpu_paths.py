@@ -23,14 +23,22 @@ from grpo_cli.logs import read_metrics
 from grpo_cli.pipeline import run
 from helpers import ALTERNATING_REWARD, act_as_an_avx512_bf16_cpu, computed_rows, config, one_step
 
-QLORA = ["model.lora.enabled=true", "model.lora.r=4", "model.quantization=4bit",
-         "model.lora.target_modules=[all-linear]"]
+QLORA = [
+    "model.lora.enabled=true",
+    "model.lora.r=4",
+    "model.quantization=4bit",
+    "model.lora.target_modules=[all-linear]",
+]
 
 
 def packed_layers(model: torch.nn.Module) -> list[str]:
     """Names of the Linear4bit layers whose weight bitsandbytes has repacked for its CPU kernel."""
-    return [name for name, module in model.named_modules() if isinstance(module, bitsandbytes.nn.Linear4bit)
-            and getattr(module.weight.quant_state, "packing_format_for_cpu", False)]
+    return [
+        name
+        for name, module in model.named_modules()
+        if isinstance(module, bitsandbytes.nn.Linear4bit)
+        and getattr(module.weight.quant_state, "packing_format_for_cpu", False)
+    ]
 
 
 def test_the_forced_detection_reaches_bitsandbytes_packing(monkeypatch):
@@ -70,17 +78,31 @@ def test_a_qlora_step_takes_the_same_path_whatever_bitsandbytes_detects(tiny_mod
             assert torch.equal(trained[name], parameter), name
 
 
-def test_a_qlora_run_with_evals_and_checkpoints_is_the_same_on_an_avx512_bf16_cpu(tiny_model_dir, tmp_path,
-                                                                              monkeypatch):
+def test_a_qlora_run_with_evals_and_checkpoints_is_the_same_on_an_avx512_bf16_cpu(
+    tiny_model_dir, tmp_path, monkeypatch
+):
     """The whole loop (greedy evals before and after, sampling, updates, checkpoints), as
     `grpo-train model.lora.enabled=true model.quantization=4bit` runs it, with a reward that gives
     every step a gradient: the forced run's metrics and adapter equal this CPU's exactly."""
 
     def two_steps(folder):
-        run(config(tiny_model_dir, *QLORA, ALTERNATING_REWARD, "trainer.steps=2", "data.eval_size=4", "trainer.eval_every=1",
-                   "trainer.checkpoint_every=1", "data.prompts_per_step=4", f"trainer.output_dir={folder}"))
-        return (computed_rows(read_metrics(folder)),
-                load_file(folder / "checkpoints" / "step-000002" / "adapter_model.safetensors"))
+        run(
+            config(
+                tiny_model_dir,
+                *QLORA,
+                ALTERNATING_REWARD,
+                "trainer.steps=2",
+                "data.eval_size=4",
+                "trainer.eval_every=1",
+                "trainer.checkpoint_every=1",
+                "data.prompts_per_step=4",
+                f"trainer.output_dir={folder}",
+            )
+        )
+        return (
+            computed_rows(read_metrics(folder)),
+            load_file(folder / "checkpoints" / "step-000002" / "adapter_model.safetensors"),
+        )
 
     plain_rows, plain_adapter = two_steps(tmp_path / "plain")
     act_as_an_avx512_bf16_cpu(monkeypatch)
@@ -113,8 +135,9 @@ get_peft_model(LlamaForCausalLM(shape), LoraConfig(r=2, target_modules=["q_proj"
 def test_the_warnings_we_know_to_be_noise_stay_out_of_the_console():
     # The control first: without grpo_cli the libraries print them (so the test can fail).
     def stderr_of(mode):
-        result = subprocess.run([sys.executable, "-c", PRINT_THE_KNOWN_NOISE, mode],
-                                capture_output=True, text=True, timeout=120)
+        result = subprocess.run(
+            [sys.executable, "-c", PRINT_THE_KNOWN_NOISE, mode], capture_output=True, text=True, timeout=120
+        )
         assert result.returncode == 0, result.stderr
         return result.stderr
 

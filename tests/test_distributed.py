@@ -38,8 +38,11 @@ TORCHRUN = str(Path(sys.executable).parent / "torchrun")
 
 def torchrun(*arguments: str, cwd: Path) -> subprocess.CompletedProcess:
     result = subprocess.run(
-        [TORCHRUN, "--standalone", "--nproc-per-node", "2", *arguments], capture_output=True, text=True,
-        cwd=cwd, timeout=600,
+        [TORCHRUN, "--standalone", "--nproc-per-node", "2", *arguments],
+        capture_output=True,
+        text=True,
+        cwd=cwd,
+        timeout=600,
         env={**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": TESTS_DIR, "OMP_NUM_THREADS": "1"},
     )
     assert result.returncode == 0, f"torchrun failed ({result.returncode}):\n{result.stdout}\n{result.stderr}"
@@ -50,7 +53,8 @@ def test_a_torchrun_worker_ends_without_the_interpreters_shutdown(tmp_path):
     # Under torchrun: buffered output and logging handlers are flushed, atexit handlers are not
     # run (the shutdown is skipped), and the exit code is 0. Outside torchrun: nothing happens.
     script = tmp_path / "worker.py"
-    script.write_text(textwrap.dedent(f"""
+    script.write_text(
+        textwrap.dedent(f"""
         import atexit, logging, sys
         from grpo_cli.distributed import end_worker_process
         logging.basicConfig(filename={str(tmp_path / "log.txt")!r}, level=logging.INFO)
@@ -59,12 +63,14 @@ def test_a_torchrun_worker_ends_without_the_interpreters_shutdown(tmp_path):
         sys.stdout.write("buffered")
         end_worker_process()
         print(" returned")
-    """))
+    """)
+    )
     env = {k: v for k, v in os.environ.items() if k != "WORLD_SIZE"}
     plain = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env)
     assert (plain.returncode, plain.stdout) == (0, "buffered returned\natexit ran\n")
-    worker = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
-                            env={**env, "WORLD_SIZE": "2"})
+    worker = subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, env={**env, "WORLD_SIZE": "2"}
+    )
     assert (worker.returncode, worker.stdout) == (0, "buffered")
     assert "logged" in (tmp_path / "log.txt").read_text()
 
@@ -111,16 +117,27 @@ def test_how_metrics_combine_over_ranks():
     assert reduce_metrics({"kl": 0.5}, Distributed()) == {"kl": 0.5}  # one process: unchanged
 
 
-@pytest.mark.parametrize("mode,aggregation", [
-    pytest.param("ddp", "sequence_mean", marks=pytest.mark.slow),
-    pytest.param("ddp", "token_mean", marks=pytest.mark.slow),
-    pytest.param("fsdp", "token_mean", marks=pytest.mark.slow), pytest.param("fsdp", "sequence_mean", marks=pytest.mark.slow),
-])
-def test_two_ranks_compute_the_loss_and_gradients_of_one_process_on_the_whole_batch(tmp_path, tiny_model_dir,
-                                                                                     mode, aggregation):
+@pytest.mark.parametrize(
+    "mode,aggregation",
+    [
+        pytest.param("ddp", "sequence_mean", marks=pytest.mark.slow),
+        pytest.param("ddp", "token_mean", marks=pytest.mark.slow),
+        pytest.param("fsdp", "token_mean", marks=pytest.mark.slow),
+        pytest.param("fsdp", "sequence_mean", marks=pytest.mark.slow),
+    ],
+)
+def test_two_ranks_compute_the_loss_and_gradients_of_one_process_on_the_whole_batch(
+    tmp_path, tiny_model_dir, mode, aggregation
+):
     out = tmp_path / "result.json"
-    torchrun(str(Path(TESTS_DIR) / "distributed_equivalence.py"), str(tiny_model_dir), aggregation, str(out), mode,
-             cwd=tmp_path)
+    torchrun(
+        str(Path(TESTS_DIR) / "distributed_equivalence.py"),
+        str(tiny_model_dir),
+        aggregation,
+        str(out),
+        mode,
+        cwd=tmp_path,
+    )
     result = json.loads(out.read_text())
     assert result["world_size"] == 2 and result["mode"] == mode
     assert result["rows"] == 8  # each rank trained on half the completions
@@ -132,8 +149,14 @@ def test_two_ranks_compute_the_loss_and_gradients_of_one_process_on_the_whole_ba
     assert result["max_weight_difference"] < 1e-5
 
 
-QUICK = ["data.prompts_per_step=4", "sampler.group_size=4", "data.eval_size=6", "trainer.log_every=1",
-         "trainer.checkpoint_every=2", "trainer.sample_every=0"]
+QUICK = [
+    "data.prompts_per_step=4",
+    "sampler.group_size=4",
+    "data.eval_size=6",
+    "trainer.log_every=1",
+    "trainer.checkpoint_every=2",
+    "trainer.sample_every=0",
+]
 
 
 @pytest.mark.slow
@@ -146,8 +169,9 @@ def test_a_two_process_run_keeps_the_ranks_in_step_and_resumes(tmp_path, tiny_mo
     assert all(row["distributed/weights_spread"] == 0.0 for row in rows[1:])  # identical weights after every step
     assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["step-000002", "step-000003"]
 
-    resumed = torchrun("-m", "grpo_cli.cli", *QUICK, "trainer.steps=5", "trainer.resume=true",
-                       f"hydra.run.dir={run_dir}", cwd=tmp_path)
+    resumed = torchrun(
+        "-m", "grpo_cli.cli", *QUICK, "trainer.steps=5", "trainer.resume=true", f"hydra.run.dir={run_dir}", cwd=tmp_path
+    )
     assert resumed.stdout.count("Resuming from") == 1 and "(step 3)" in resumed.stdout
     rows = read_metrics(run_dir)
     assert [row["step"] for row in rows] == [0, 1, 2, 3, 4, 5]
@@ -165,11 +189,28 @@ def test_the_slurm_launcher_presets_compose_without_a_cluster(tmp_path, preset, 
 
 def test_a_multi_task_slurm_job_becomes_a_process_group(monkeypatch):
     # What SLURM sets in task 3 of an 8-task job on one node started by submitit (slurm_node).
-    monkeypatch.setattr(os, "environ", {k: v for k, v in os.environ.items()
-                                        if k not in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")})
-    os.environ.update({"SUBMITIT_FOLDER": "/tmp/submitit", "SUBMITIT_EXECUTOR": "slurm", "SLURM_JOB_ID": "4242",
-                       "SLURM_NTASKS": "8", "SLURM_PROCID": "3", "SLURM_LOCALID": "3", "SLURM_NODEID": "0",
-                       "SLURM_JOB_NUM_NODES": "1", "SLURM_JOB_NODELIST": "gpu-node07"})
+    monkeypatch.setattr(
+        os,
+        "environ",
+        {
+            k: v
+            for k, v in os.environ.items()
+            if k not in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+        },
+    )
+    os.environ.update(
+        {
+            "SUBMITIT_FOLDER": "/tmp/submitit",
+            "SUBMITIT_EXECUTOR": "slurm",
+            "SLURM_JOB_ID": "4242",
+            "SLURM_NTASKS": "8",
+            "SLURM_PROCID": "3",
+            "SLURM_LOCALID": "3",
+            "SLURM_NODEID": "0",
+            "SLURM_JOB_NUM_NODES": "1",
+            "SLURM_JOB_NODELIST": "gpu-node07",
+        }
+    )
     assert launched_world_size() == 8
     assert (os.environ["RANK"], os.environ["LOCAL_RANK"], os.environ["MASTER_ADDR"]) == ("3", "3", "gpu-node07")
 
@@ -181,8 +222,12 @@ def test_multirun_with_cfg_is_one_clear_error(tmp_path):
 
 def test_fsdp_refuses_what_needs_ranks_to_differ(tiny_model_dir):
     with pytest.raises(ConfigError) as error:
-        validate(config(tiny_model_dir, "trainer.distributed=fsdp", "trainer.filter_zero_std=true",
-                        "trainer.guard.enabled=true"), check_files=False)
+        validate(
+            config(
+                tiny_model_dir, "trainer.distributed=fsdp", "trainer.filter_zero_std=true", "trainer.guard.enabled=true"
+            ),
+            check_files=False,
+        )
     assert "trainer.filter_zero_std=true with trainer.distributed=fsdp" in str(error.value)
     assert "trainer.guard" not in str(error.value)  # the rollback loads sharded weights (next test)
 
@@ -195,10 +240,25 @@ def test_the_guard_rolls_back_sharded_weights(tmp_path, tiny_model_dir, lora):
     # them. The guard runs before the step's checkpoint, so checkpoints 2 and 3 must hold
     # exactly checkpoint 1's weights and Adam moments, put back into the shards of both ranks.
     run_dir = tmp_path / "run"
-    torchrun("-m", "grpo_cli.cli", *QUICK, "trainer.distributed=fsdp", "trainer.steps=3", "trainer.checkpoint_every=1",
-             "trainer.keep_last=3", "data.eval_size=0", "trainer.guard.enabled=true", "trainer.guard.max_kl=1e-9",
-             "trainer.guard.max_rollbacks=5", f"model.lora.enabled={lora}", "model.lora.r=4", "optimizer.lr=1e-2",
-             ALTERNATING_REWARD, f"hydra.run.dir={run_dir}", cwd=tmp_path)
+    torchrun(
+        "-m",
+        "grpo_cli.cli",
+        *QUICK,
+        "trainer.distributed=fsdp",
+        "trainer.steps=3",
+        "trainer.checkpoint_every=1",
+        "trainer.keep_last=3",
+        "data.eval_size=0",
+        "trainer.guard.enabled=true",
+        "trainer.guard.max_kl=1e-9",
+        "trainer.guard.max_rollbacks=5",
+        f"model.lora.enabled={lora}",
+        "model.lora.r=4",
+        "optimizer.lr=1e-2",
+        ALTERNATING_REWARD,
+        f"hydra.run.dir={run_dir}",
+        cwd=tmp_path,
+    )
     assert [row["guard/rollbacks"] for row in read_metrics(run_dir)] == [0, 1, 2]  # eval_size 0: no row 0
     weights_file = "adapter_model.safetensors" if lora else "model.safetensors"
     first, *rolled_back = (run_dir / "checkpoints" / f"step-00000{step}" for step in (1, 2, 3))
@@ -225,8 +285,15 @@ def test_fsdp_checkpoints_gather_the_shards_and_a_resume_continues_exactly(tmp_p
     fsdp = [*QUICK, "trainer.distributed=fsdp"]
     torchrun("-m", "grpo_cli.cli", *fsdp, "trainer.steps=4", f"hydra.run.dir={tmp_path / 'unbroken'}", cwd=tmp_path)
     torchrun("-m", "grpo_cli.cli", *fsdp, "trainer.steps=2", f"hydra.run.dir={tmp_path / 'resumed'}", cwd=tmp_path)
-    torchrun("-m", "grpo_cli.cli", *fsdp, "trainer.steps=4", "trainer.resume=true",
-             f"hydra.run.dir={tmp_path / 'resumed'}", cwd=tmp_path)
+    torchrun(
+        "-m",
+        "grpo_cli.cli",
+        *fsdp,
+        "trainer.steps=4",
+        "trainer.resume=true",
+        f"hydra.run.dir={tmp_path / 'resumed'}",
+        cwd=tmp_path,
+    )
     unbroken, resumed = read_metrics(tmp_path / "unbroken"), read_metrics(tmp_path / "resumed")
     assert [row["step"] for row in resumed] == [0, 1, 2, 3, 4]
     assert comparable(resumed) == comparable(unbroken)
@@ -242,9 +309,19 @@ def test_lora_trains_under_both_modes(tmp_path, tiny_model_dir, mode):
     from peft import PeftModel
 
     run_dir = tmp_path / "lora"
-    torchrun("-m", "grpo_cli.cli", *QUICK, f"trainer.distributed={mode}", "trainer.steps=2", "model.lora.enabled=true",
-             "model.lora.r=4", "optimizer.lr=1e-2", ALTERNATING_REWARD,  # every step has a gradient
-             f"hydra.run.dir={run_dir}", cwd=tmp_path)
+    torchrun(
+        "-m",
+        "grpo_cli.cli",
+        *QUICK,
+        f"trainer.distributed={mode}",
+        "trainer.steps=2",
+        "model.lora.enabled=true",
+        "model.lora.r=4",
+        "optimizer.lr=1e-2",
+        ALTERNATING_REWARD,  # every step has a gradient
+        f"hydra.run.dir={run_dir}",
+        cwd=tmp_path,
+    )
     checkpoint = run_dir / "checkpoints" / "step-000002"
     assert (checkpoint / "adapter_config.json").is_file() and not (checkpoint / "model.safetensors").exists()
     model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tiny_model_dir), checkpoint)

@@ -41,7 +41,9 @@ def test_uninformative_groups_are_replaced_by_groups_from_more_rounds():
     # Round 1: b0 (0, 1) informative, b1 (1, 1) not. Round 2: c0 and c1 informative, only c0
     # is needed. Target 3: a1, b0, c0 after 2 extra rounds; 3 + 2 + 2 = 7 groups sampled.
     first = fake_round("a", [[1, 1], [1, 0], [0, 0]], prompt_length=4)
-    more = iter([fake_round("b", [[0, 1], [1, 1]], prompt_length=6), fake_round("c", [[0, 2], [3, 1]], prompt_length=2)])
+    more = iter(
+        [fake_round("b", [[0, 1], [1, 1]], prompt_length=6), fake_round("c", [[0, 2], [3, 1]], prompt_length=2)]
+    )
     filled = fill_informative_groups(*first, draw=lambda: next(more), target=3, max_rounds=5, std_threshold=1e-4)
     assert filled.extra_rounds == 2 and filled.informative_groups == 3 and filled.sampled_groups == 7
     assert filled.rollout.prompts == ["a1", "a1", "b0", "b0", "c0", "c0"]
@@ -84,12 +86,24 @@ def test_every_step_trains_on_the_configured_number_of_informative_groups(tmp_pa
     with data.open("w") as out:
         for index in range(32):
             a, b = index % 10, (index * 7) % 10
-            out.write(json.dumps({"prompt": f"Question: what is {a} + {b}? Answer:", "answer": str(a + b),
-                                  "easy": index % 2 == 0}) + "\n")
-    cfg = config(tiny_model_dir, f"data.path={data}", "data.prompts_per_step=4", "trainer.steps=4",
-                 "trainer.filter_zero_std=true", "trainer.max_resample_rounds=8",
-                 "trainer.checkpoint_every=0", "trainer.log_every=1",
-                 f"trainer.output_dir={tmp_path / 'run'}", "optimizer.lr=1e-4")
+            out.write(
+                json.dumps(
+                    {"prompt": f"Question: what is {a} + {b}? Answer:", "answer": str(a + b), "easy": index % 2 == 0}
+                )
+                + "\n"
+            )
+    cfg = config(
+        tiny_model_dir,
+        f"data.path={data}",
+        "data.prompts_per_step=4",
+        "trainer.steps=4",
+        "trainer.filter_zero_std=true",
+        "trainer.max_resample_rounds=8",
+        "trainer.checkpoint_every=0",
+        "trainer.log_every=1",
+        f"trainer.output_dir={tmp_path / 'run'}",
+        "optimizer.lr=1e-4",
+    )
     cfg.reward.functions = [{"_target_": f"{__name__}.easy_or_coin", "weight": 1.0}]
     run(cfg)
     rows = [row for row in read_metrics(tmp_path / "run") if row["step"] > 0]

@@ -101,11 +101,17 @@ def file_modes_bind_even_root():
     [
         ("trainer.bta=0.1", "trainer.bta is not a config key. Did you mean trainer.beta?"),
         ("trainers.steps=3", "trainers.steps is not a config key. Did you mean trainer.steps?"),
-        ("sampler.group_size=many", "sampler.group_size: Value 'many' of type 'str' could not be "
-                                    "converted to Integer. sampler.group_size takes a whole number."),
+        (
+            "sampler.group_size=many",
+            "sampler.group_size: Value 'many' of type 'str' could not be "
+            "converted to Integer. sampler.group_size takes a whole number.",
+        ),
         ("data.shuffle=maybe", "data.shuffle takes true or false"),
-        ("conf=nope", "conf=nope: there is no preset 'nope' in group 'conf' (no conf/conf/nope.yaml). "
-                      "The conf presets are: code_7b, math_0.5b, math_7b, smollm2_arithmetic, tiny."),
+        (
+            "conf=nope",
+            "conf=nope: there is no preset 'nope' in group 'conf' (no conf/conf/nope.yaml). "
+            "The conf presets are: code_7b, math_0.5b, math_7b, smollm2_arithmetic, tiny.",
+        ),
         ("model=nope", "model=nope: there is no preset 'nope' in group 'model'"),
         ("trainer.beta=[1", "Cannot parse the override 'trainer.beta=[1'"),
     ],
@@ -131,8 +137,9 @@ def test_a_run_folder_under_a_file_exits_2_naming_it(tmp_path):
 
 @pytest.mark.parametrize("override", ["conf=nope", "sampler.group_size=1"])
 def test_hydra_full_error_shows_the_traceback(tmp_path, override):
-    result = grpo_train(override, f"hydra.run.dir={tmp_path / 'run'}", check=False, cwd=tmp_path,
-                        env={"HYDRA_FULL_ERROR": "1"})
+    result = grpo_train(
+        override, f"hydra.run.dir={tmp_path / 'run'}", check=False, cwd=tmp_path, env={"HYDRA_FULL_ERROR": "1"}
+    )
     assert result.returncode != 0 and "Traceback" in result.stderr
 
 
@@ -181,17 +188,29 @@ def fake_checkpoint(run: Path, *overrides: str) -> Path:
 
 def test_resume_with_another_lora_shape_names_the_keys_that_differ(tmp_path):
     fake_checkpoint(tmp_path / "run", "model.lora.enabled=true", "model.lora.r=8")
-    message = cli_error("trainer.resume=true", "model.lora.enabled=true", "model.lora.r=4",
-                        "model.lora.target_modules=[q_proj]", *SMALL, tmp_path=tmp_path)
-    assert f"checkpoint {tmp_path / 'run' / 'checkpoints' / 'step-000001'} was made with another model set-up" in message
+    message = cli_error(
+        "trainer.resume=true",
+        "model.lora.enabled=true",
+        "model.lora.r=4",
+        "model.lora.target_modules=[q_proj]",
+        *SMALL,
+        tmp_path=tmp_path,
+    )
+    assert (
+        f"checkpoint {tmp_path / 'run' / 'checkpoints' / 'step-000001'} was made with another model set-up" in message
+    )
     assert "model.lora.r was 8, now 4" in message
     assert "model.lora.target_modules was ['q_proj', 'k_proj', 'v_proj', 'o_proj'], now ['q_proj']" in message
 
 
 def test_a_reward_returning_the_wrong_length_stops_the_run(tmp_path, tiny_model_dir):
-    message = cli_error(*SMALL, "sampler.max_new_tokens=4",
-                        "reward.functions=[{_target_: test_rewards.wrong_length, weight: 1.0}]",
-                        tmp_path=tmp_path, env={"PYTHONPATH": TESTS_DIR})
+    message = cli_error(
+        *SMALL,
+        "sampler.max_new_tokens=4",
+        "reward.functions=[{_target_: test_rewards.wrong_length, weight: 1.0}]",
+        tmp_path=tmp_path,
+        env={"PYTHONPATH": TESTS_DIR},
+    )
     assert "Reward function wrong_length failed on 4 of 4 completions" in message
     assert "returned 1 values for 4 completions" in message and "reward.max_error_fraction" in message
 
@@ -202,19 +221,25 @@ def test_a_reward_returning_the_wrong_length_stops_the_run(tmp_path, tiny_model_
 @pytest.mark.parametrize(
     "overrides,expected",
     [
-        (["data.prompts_per_step=3", "sampler.group_size=2", "trainer.micro_batch_size=4"],
-         "trainer.micro_batch_size=4 must divide the completions per step, "
-         "data.prompts_per_step x sampler.group_size = 6"),
+        (
+            ["data.prompts_per_step=3", "sampler.group_size=2", "trainer.micro_batch_size=4"],
+            "trainer.micro_batch_size=4 must divide the completions per step, "
+            "data.prompts_per_step x sampler.group_size = 6",
+        ),
         (["model.quantization=4bit"], "model.quantization=4bit needs model.lora.enabled=true"),
         (["model.dtype=float16"], "model.dtype=float16 with a full fine-tune (model.lora.enabled=false)"),
         (["model.attn_implementation=flex"], "model.attn_implementation='flex' is not one of sdpa, eager"),
-        (["model.attn_implementation=flash_attention_2"], "model.attn_implementation=flash_attention_2 needs "
-                                                           "the flash-attn package"),
+        (
+            ["model.attn_implementation=flash_attention_2"],
+            "model.attn_implementation=flash_attention_2 needs the flash-attn package",
+        ),
         (["sampler.max_new_tokens=0"], "sampler.max_new_tokens=0 must be positive."),
         (["sampler.temperature=0"], "sampler.temperature=0.0 must be positive: GRPO needs sampled groups"),
         (["trainer.beta=-0.1"], "trainer.beta=-0.1: trainer.beta must be a number >= 0"),
-        (["sampler.max_new_tokens=128"], "sampler.max_new_tokens=128 leaves no room for a prompt in "
-                                         "the model's context of 128 positions"),
+        (
+            ["sampler.max_new_tokens=128"],
+            "sampler.max_new_tokens=128 leaves no room for a prompt in the model's context of 128 positions",
+        ),
         (["data.use_chat_template=true"], "data.use_chat_template=true, but the tokenizer has no chat template"),
         (["trainer.resume=/no/such/checkpoint"], "trainer.resume=/no/such/checkpoint: no such checkpoint folder"),
     ],
@@ -250,9 +275,12 @@ def test_an_unreadable_data_file(tmp_path):
 
 
 def test_a_data_file_that_is_not_utf8(tmp_path):
-    path = write(tmp_path / "latin1.jsonl", GOOD_ROW.encode() + '{"prompt": "caf\xe9", "answer": "1"}\n'.encode("latin-1"))
+    path = write(
+        tmp_path / "latin1.jsonl", GOOD_ROW.encode() + '{"prompt": "caf\xe9", "answer": "1"}\n'.encode("latin-1")
+    )
     assert f"Data file {path} is not UTF-8 text (line 2: invalid continuation byte)" in validate_error(
-        f"data.path={path}")
+        f"data.path={path}"
+    )
 
 
 def test_a_jsonl_line_that_is_not_json_names_the_line(tmp_path):
@@ -385,7 +413,9 @@ def test_quantization_without_bitsandbytes(monkeypatch):
     from grpo_cli.models.loading import _quantization_config
 
     real = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "bitsandbytes" else real(name, *a))
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == "bitsandbytes" else real(name, *a)
+    )
     cfg = make("model.quantization=4bit", "model.lora.enabled=true")
     with pytest.raises(ConfigError, match="model.quantization=4bit needs the bitsandbytes package"):
         _quantization_config(cfg.model, torch.float32)
@@ -398,8 +428,10 @@ def test_a_tokenizer_without_pad_token_pads_with_eos_and_warns(tiny_model_dir):
 
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir, pad_token=None)  # as Llama's ships
     assert tokenizer.pad_token is None
-    with pytest.warns(UserWarning, match="model.name_or_path=x: the tokenizer has no pad token; "
-                                         "padding with the EOS token '<|endoftext|>'"):
+    with pytest.warns(
+        UserWarning,
+        match="model.name_or_path=x: the tokenizer has no pad token; padding with the EOS token '<|endoftext|>'",
+    ):
         fix_special_tokens(tokenizer, "x")
     assert tokenizer.pad_token == tokenizer.eos_token
     assert tokenizer(["1 + 2", "1"], padding=True)["attention_mask"][1][0] == 0  # padding works

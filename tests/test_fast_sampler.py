@@ -26,8 +26,11 @@ def test_the_scores_are_transformers_warpers(temperature, top_k, top_p):
     torch.manual_seed(0)
     logits = torch.randn(16, 300) * 3
     expected = logits.clone()
-    for warper, used in ((TemperatureLogitsWarper(temperature), True), (TopKLogitsWarper(max(top_k, 1)), top_k > 0),
-                         (TopPLogitsWarper(top_p), top_p < 1.0)):
+    for warper, used in (
+        (TemperatureLogitsWarper(temperature), True),
+        (TopKLogitsWarper(max(top_k, 1)), top_k > 0),
+        (TopPLogitsWarper(top_p), top_p < 1.0),
+    ):
         expected = warper(None, expected) if used else expected
     assert torch.equal(next_token_scores(logits, temperature, top_k, top_p), expected)
 
@@ -69,8 +72,12 @@ def test_single_query_attention_equals_sdpa(kv_heads):
     bias = torch.zeros(3, 7).masked_fill(~keep, -torch.inf)[:, None, None]  # [3, 1, 1, 7]
     out, _ = single_query_attention(None, query, key, value, bias, scaling=0.3)
     expected = torch.nn.functional.scaled_dot_product_attention(
-        query, key.repeat_interleave(4 // kv_heads, dim=1), value.repeat_interleave(4 // kv_heads, dim=1),
-        attn_mask=keep[:, None, None], scale=0.3)  # [3, 4, 1, 8]
+        query,
+        key.repeat_interleave(4 // kv_heads, dim=1),
+        value.repeat_interleave(4 // kv_heads, dim=1),
+        attn_mask=keep[:, None, None],
+        scale=0.3,
+    )  # [3, 4, 1, 8]
     assert out.shape == (3, 1, 4, 8) and torch.allclose(out, expected.transpose(1, 2), atol=1e-6)
 
 
@@ -113,8 +120,9 @@ def test_sampling_with_packed_weights_draws_from_the_same_distribution(tiny_mode
     import grpo_cli.sampling.fast as fast
     import grpo_cli.sampling.packed as packed
 
-    cfg, models, sampler = setup(tiny_model_dir, "fast", "data.prompts_per_step=8", "sampler.max_new_tokens=12",
-                                 "sampler.min_new_tokens=12")
+    cfg, models, sampler = setup(
+        tiny_model_dir, "fast", "data.prompts_per_step=8", "sampler.max_new_tokens=12", "sampler.min_new_tokens=12"
+    )
     batch = PromptSource(cfg.data, models.tokenizer).next_batch()
     products = Counter()
     # the tiny model's weights are all below the size worth packing: pack them all here
@@ -150,8 +158,9 @@ def test_sampling_with_packed_weights_draws_from_the_same_distribution(tiny_mode
     # any two GEMMs' rounding, and far below a wrong product's error.
     assert len(scores[True]) == len(scores[False]) == 12
     for step, (packed_scores, plain_scores) in enumerate(zip(scores[True], scores[False])):
-        torch.testing.assert_close(packed_scores, plain_scores, rtol=1e-4, atol=1e-4,
-                                   msg=lambda message, step=step: f"step {step}: {message}")
+        torch.testing.assert_close(
+            packed_scores, plain_scores, rtol=1e-4, atol=1e-4, msg=lambda message, step=step: f"step {step}: {message}"
+        )
     assert not any("forward" in vars(module) for module in models.policy.modules())
     # Under autocast the layers must cast as autocast does: nothing is packed.
     products.clear()
@@ -172,8 +181,13 @@ def test_greedy_completions_are_identical(tiny_model_dir, attention):
     # sdpa: the decoder runs layer by layer; eager: through the model's forward
     outputs = {}
     for backend in ("hf", "fast"):
-        cfg, models, sampler = setup(tiny_model_dir, backend, "data.prompts_per_step=16", "sampler.max_new_tokens=8",
-                                     f"model.attn_implementation={attention}")
+        cfg, models, sampler = setup(
+            tiny_model_dir,
+            backend,
+            "data.prompts_per_step=16",
+            "sampler.max_new_tokens=8",
+            f"model.attn_implementation={attention}",
+        )
         assert runs_layer_by_layer(models.policy, 64) == (attention == "sdpa")
         outputs[backend] = sampler.greedy(models.policy, PromptSource(cfg.data, models.tokenizer).next_batch())
         assert models.policy.config._attn_implementation == attention  # the decode steps' own attention is undone
@@ -186,8 +200,14 @@ def test_lora_policies_run_layer_by_layer_with_the_adapter_on(tiny_model_dir):
     outputs = {}
     for backend in ("hf", "fast"):
         torch.manual_seed(0)  # the same adapter both times (peft draws lora_A at random)
-        cfg, models, sampler = setup(tiny_model_dir, backend, "model.lora.enabled=true", "model.lora.r=4",
-                                     "data.prompts_per_step=16", "sampler.max_new_tokens=8")
+        cfg, models, sampler = setup(
+            tiny_model_dir,
+            backend,
+            "model.lora.enabled=true",
+            "model.lora.r=4",
+            "data.prompts_per_step=16",
+            "sampler.max_new_tokens=8",
+        )
         for name, parameter in models.policy.named_parameters():
             if "lora_B" in name:
                 parameter.data.normal_(0, 0.5)
@@ -238,8 +258,15 @@ def test_with_generates_random_draw_the_fast_sampler_draws_the_very_same_tokens(
     for backend in ("hf", "fast"):
         if backend == "fast":
             monkeypatch.setattr(fast, "draw", multinomial_draw)
-        cfg, models, sampler = setup(tiny_model_dir, backend, "data.prompts_per_step=16", "sampler.group_size=8",
-                                     "sampler.max_new_tokens=8", "sampler.temperature=1.3", "sampler.top_k=40")
+        cfg, models, sampler = setup(
+            tiny_model_dir,
+            backend,
+            "data.prompts_per_step=16",
+            "sampler.group_size=8",
+            "sampler.max_new_tokens=8",
+            "sampler.temperature=1.3",
+            "sampler.top_k=40",
+        )
         torch.manual_seed(0)
         completions[backend] = sampler.sample(models.policy, PromptSource(cfg.data, models.tokenizer).next_batch())
     assert completions["fast"].completions == completions["hf"].completions

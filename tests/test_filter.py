@@ -29,11 +29,21 @@ from helpers import ALTERNATING_REWARD, TESTS_DIR, config, input_error, run_scri
 ROWS = [  # interleaved, with fields the filter must copy as they are (nested, non-ASCII, numbers)
     {"prompt": "Question: what is 1 + 2? Answer:", "answer": "3", "difficulty": "easy", "id": 1},
     {"prompt": "Question: what is 4 + 4? Answer:", "answer": "8", "difficulty": "hard", "id": 2},
-    {"prompt": "Question: what is 2 + 5? Answer:", "answer": "7", "difficulty": "mixed", "id": 3,
-     "meta": {"source": "hand-written", "tags": ["a", "b"]}},
+    {
+        "prompt": "Question: what is 2 + 5? Answer:",
+        "answer": "7",
+        "difficulty": "mixed",
+        "id": 3,
+        "meta": {"source": "hand-written", "tags": ["a", "b"]},
+    },
     {"prompt": "Question: what is 9 + 0? Answer:", "answer": "9", "difficulty": "easy", "id": 4},
-    {"prompt": "Question: what is 3 + 3? Answer:", "answer": "6", "difficulty": "mixed", "id": 5,
-     "note": "prix 3 € — ok"},
+    {
+        "prompt": "Question: what is 3 + 3? Answer:",
+        "answer": "6",
+        "difficulty": "mixed",
+        "id": 5,
+        "note": "prix 3 € — ok",
+    },
     {"prompt": "Question: what is 7 + 1? Answer:", "answer": "8", "difficulty": "hard", "id": 6},
 ]
 # Records 1..6 in input order; easy and hard groups are all-equal, mixed ones differ.
@@ -45,8 +55,11 @@ SMALL = ["data.prompts_per_step=4", "sampler.group_size=8", "sampler.max_new_tok
 def by_difficulty(prompts, completions, difficulty, **columns):
     """easy -> 1, hard -> 0, mixed -> a number in [0, 1) from the completion's text (crc32: the
     same in every process, unlike hash())."""
-    scores = {"easy": lambda text: 1.0, "hard": lambda text: 0.0,
-              "mixed": lambda text: zlib.crc32(text.encode("utf-8")) / 2**32}
+    scores = {
+        "easy": lambda text: 1.0,
+        "hard": lambda text: 0.0,
+        "mixed": lambda text: zlib.crc32(text.encode("utf-8")) / 2**32,
+    }
     return [scores[tag](text) for tag, text in zip(difficulty, completions)]
 
 
@@ -66,9 +79,15 @@ def test_keeps_exactly_the_prompts_whose_rewards_differ(tmp_path, tiny_model_dir
     data = write_jsonl(tmp_path / "mixed.jsonl", ROWS)
     out = tmp_path / "filtered" / "kept.jsonl"  # the folder does not exist yet
     result = run_script(
-        "grpo-filter", f"model.name_or_path={tiny_model_dir}", f"data.path={data}", f"+out={out}", *SMALL,
+        "grpo-filter",
+        f"model.name_or_path={tiny_model_dir}",
+        f"data.path={data}",
+        f"+out={out}",
+        *SMALL,
         "reward.functions=[{_target_: test_filter.by_difficulty, weight: 1.0}]",
-        f"hydra.run.dir={tmp_path / 'run'}", cwd=tmp_path, env={"PYTHONPATH": TESTS_DIR},
+        f"hydra.run.dir={tmp_path / 'run'}",
+        cwd=tmp_path,
+        env={"PYTHONPATH": TESTS_DIR},
     )
 
     assert read_jsonl(out) == [ROWS[2], ROWS[4]]  # every field as written, input order
@@ -106,9 +125,15 @@ def test_the_real_model_preset_keeps_exactly_the_prompts_whose_rewards_differ(tm
     data = write_jsonl(tmp_path / "mixed.jsonl", ROWS)
     out = tmp_path / "kept.jsonl"
     result = run_script(
-        "grpo-filter", "conf=smollm2_arithmetic", f"model.name_or_path={smollm2_dir}", f"data.path={data}",
-        f"+out={out}", "reward.functions=[{_target_: test_filter.by_difficulty, weight: 1.0}]",
-        f"hydra.run.dir={tmp_path / 'run'}", cwd=tmp_path, env={"PYTHONPATH": TESTS_DIR},
+        "grpo-filter",
+        "conf=smollm2_arithmetic",
+        f"model.name_or_path={smollm2_dir}",
+        f"data.path={data}",
+        f"+out={out}",
+        "reward.functions=[{_target_: test_filter.by_difficulty, weight: 1.0}]",
+        f"hydra.run.dir={tmp_path / 'run'}",
+        cwd=tmp_path,
+        env={"PYTHONPATH": TESTS_DIR},
     )
     assert read_jsonl(out) == [ROWS[2], ROWS[4]]
     summary = json.loads((tmp_path / "kept.summary.json").read_text())
@@ -119,10 +144,17 @@ def test_the_real_model_preset_keeps_exactly_the_prompts_whose_rewards_differ(tm
 
 def filter_in_process(tmp_path: Path, tiny_model_dir: Path, data: Path, out: Path, *overrides: str):
     with initialize_config_dir(config_dir=config_dir(), version_base="1.3"):
-        cfg = compose(config_name="config", overrides=[
-            f"model.name_or_path={tiny_model_dir}", f"data.path={data}", f"+out={out}", *SMALL,
-            f"reward.functions=[{{_target_: {__name__}.by_difficulty, weight: 1.0}}]", *overrides,
-        ])
+        cfg = compose(
+            config_name="config",
+            overrides=[
+                f"model.name_or_path={tiny_model_dir}",
+                f"data.path={data}",
+                f"+out={out}",
+                *SMALL,
+                f"reward.functions=[{{_target_: {__name__}.by_difficulty, weight: 1.0}}]",
+                *overrides,
+            ],
+        )
     return filter_file(cfg)
 
 
@@ -154,14 +186,28 @@ def test_trainer_resume_filters_with_a_training_runs_policy(tmp_path, tiny_model
 
     # The alternating reward gives every group an advantage, so the step moves the model whatever
     # was sampled (with exact_match every completion can be wrong: beta 0, an unchanged model).
-    trained = run(config(tiny_model_dir, ALTERNATING_REWARD, "trainer.steps=1", "data.eval_size=0",
-                         "trainer.beta=0", f"trainer.output_dir={tmp_path / 'run'}"))
+    trained = run(
+        config(
+            tiny_model_dir,
+            ALTERNATING_REWARD,
+            "trainer.steps=1",
+            "data.eval_size=0",
+            "trainer.beta=0",
+            f"trainer.output_dir={tmp_path / 'run'}",
+        )
+    )
     metrics = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert metrics[-1]["advantage/zero_std_fraction"] == 0.0
     data = write_jsonl(tmp_path / "mixed.jsonl", ROWS)
     base = filter_in_process(tmp_path, tiny_model_dir, data, tmp_path / "base.jsonl")
-    latest = filter_in_process(tmp_path, tiny_model_dir, data, tmp_path / "latest.jsonl",
-                               "trainer.resume=true", f"trainer.output_dir={tmp_path / 'run'}")
+    latest = filter_in_process(
+        tmp_path,
+        tiny_model_dir,
+        data,
+        tmp_path / "latest.jsonl",
+        "trainer.resume=true",
+        f"trainer.output_dir={tmp_path / 'run'}",
+    )
 
     def summary(result) -> dict:
         return json.loads(result.summary_path.read_text())

@@ -27,7 +27,9 @@ def test_non_finite_loss_or_gradient_triggers():
 def test_kl_above_the_bound_triggers():
     guard = GuardConfig(enabled=True, max_kl=0.5)
     assert rollback_reason(guard, GuardState(), 3, {**FINE, "kl": 0.4, "reward/mean": 0.5}) is None
-    assert "exceeded trainer.guard.max_kl=0.5" in rollback_reason(guard, GuardState(), 3, {**FINE, "kl": 0.6, "reward/mean": 0.5})
+    assert "exceeded trainer.guard.max_kl=0.5" in rollback_reason(
+        guard, GuardState(), 3, {**FINE, "kl": 0.6, "reward/mean": 0.5}
+    )
 
 
 def test_reward_drop_is_measured_on_the_window_against_its_best():
@@ -35,8 +37,10 @@ def test_reward_drop_is_measured_on_the_window_against_its_best():
     # (0.7, 0.8, 0.5) = 0.667, fine; 0.2 -> (0.8, 0.5, 0.2) = 0.5: 0.2 below, fine; 0.1 ->
     # (0.5, 0.2, 0.1) = 0.267: 0.433 below the best -> trigger at step 6.
     guard, state = GuardConfig(enabled=True, window=3, reward_drop=0.3), GuardState()
-    reasons = [rollback_reason(guard, state, step, {**FINE, "reward/mean": reward})
-               for step, reward in enumerate([0.6, 0.7, 0.8, 0.5, 0.2, 0.1], start=1)]
+    reasons = [
+        rollback_reason(guard, state, step, {**FINE, "reward/mean": reward})
+        for step, reward in enumerate([0.6, 0.7, 0.8, 0.5, 0.2, 0.1], start=1)
+    ]
     assert reasons[:5] == [None] * 5 and "fell to 0.2667 at step 6" in reasons[5]
     assert state.best_reward == pytest.approx(0.7) and state.best_step == 3
 
@@ -54,8 +58,15 @@ def test_roll_back_restores_the_checkpoint_weights_and_raises_beta(tmp_path, tin
     optimizer = make_optimizer(cfg.optimizer, parameters)
     scheduler = make_scheduler(cfg.optimizer, optimizer, 10)
     saved = [p.detach().clone() for p in parameters]
-    save_checkpoint(tmp_path, 1, models.policy, models.tokenizer, {"optimizer": optimizer.state_dict()},
-                    {"reward_mean": 0.5}, keep_last=2)
+    save_checkpoint(
+        tmp_path,
+        1,
+        models.policy,
+        models.tokenizer,
+        {"optimizer": optimizer.state_dict()},
+        {"reward_mean": 0.5},
+        keep_last=2,
+    )
     with torch.no_grad():
         for parameter in parameters:
             parameter.add_(1.0)
@@ -73,9 +84,19 @@ def test_a_run_rolls_back_doubles_beta_and_stops_with_a_report(tmp_path, tiny_mo
     # reward gives every step a gradient: no step may leave the weights where they were). Step 2
     # rolls back to step 1 (beta 0.04 -> 0.08), step 3 again (-> 0.16), step 4 finds the 2
     # rollbacks used up.
-    cfg = config(tiny_model_dir, ALTERNATING_REWARD, "trainer.steps=6", "trainer.beta=0.04", "trainer.checkpoint_every=1",
-                 "trainer.guard.enabled=true", "trainer.guard.max_kl=1e-9", "trainer.guard.max_rollbacks=2",
-                 "trainer.log_every=1", "data.eval_size=0", f"trainer.output_dir={tmp_path}")
+    cfg = config(
+        tiny_model_dir,
+        ALTERNATING_REWARD,
+        "trainer.steps=6",
+        "trainer.beta=0.04",
+        "trainer.checkpoint_every=1",
+        "trainer.guard.enabled=true",
+        "trainer.guard.max_kl=1e-9",
+        "trainer.guard.max_rollbacks=2",
+        "trainer.log_every=1",
+        "data.eval_size=0",
+        f"trainer.output_dir={tmp_path}",
+    )
     with pytest.raises(GuardStop) as caught:
         run(cfg)
     message = str(caught.value)
@@ -108,10 +129,18 @@ def test_resume_restores_the_guard_state_exactly(tmp_path, tiny_model_dir):
     # at every step) and doubles beta; a run stopped after 3 steps and resumed to 6 must log
     # exactly what an unbroken 6-step run logs.
     def guarded(output_dir, steps, *extra):
-        return config(tiny_model_dir, ALTERNATING_REWARD, f"trainer.steps={steps}", "trainer.checkpoint_every=1",
-                      "trainer.guard.enabled=true", "trainer.guard.max_kl=1e-9",
-                      "trainer.guard.max_rollbacks=10", "data.eval_size=0",
-                      f"trainer.output_dir={output_dir}", *extra)
+        return config(
+            tiny_model_dir,
+            ALTERNATING_REWARD,
+            f"trainer.steps={steps}",
+            "trainer.checkpoint_every=1",
+            "trainer.guard.enabled=true",
+            "trainer.guard.max_kl=1e-9",
+            "trainer.guard.max_rollbacks=10",
+            "data.eval_size=0",
+            f"trainer.output_dir={output_dir}",
+            *extra,
+        )
 
     run(guarded(tmp_path / "unbroken", 6))
     run(guarded(tmp_path / "resumed", 3))

@@ -37,8 +37,11 @@ def test_correlation_with_step_by_hand():
 
 def test_a_healthy_run_has_no_warning():
     noise = random.Random(0)
-    history = rows(40, reward__mean=[0.5 + noise.uniform(-0.1, 0.1) for _ in range(40)],
-                   kl=[0.02 + noise.uniform(-0.01, 0.01) for _ in range(40)])
+    history = rows(
+        40,
+        reward__mean=[0.5 + noise.uniform(-0.1, 0.1) for _ in range(40)],
+        kl=[0.02 + noise.uniform(-0.01, 0.01) for _ in range(40)],
+    )
     assert kinds(history) == []
 
 
@@ -51,9 +54,16 @@ def test_all_groups_zero_std_for_ten_steps():
 
 
 def test_truncated_fraction_above_half():
-    assert kinds(rows(3, completion__truncated_fraction=[0.9, 0.9, 0.5])) == []  # the last step counts; 50% is not above
+    assert (
+        kinds(rows(3, completion__truncated_fraction=[0.9, 0.9, 0.5])) == []
+    )  # the last step counts; 50% is not above
     warnings = health_warnings(rows(3, completion__truncated_fraction=[0.0, 0.0, 0.75]))
-    assert warnings == [("truncated", "75% of completions hit max_new_tokens without ending: max_new_tokens too small, or the replies ramble")]
+    assert warnings == [
+        (
+            "truncated",
+            "75% of completions hit max_new_tokens without ending: max_new_tokens too small, or the replies ramble",
+        )
+    ]
 
 
 def test_kl_rising_for_twenty_steps():

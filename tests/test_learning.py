@@ -31,8 +31,10 @@ def assert_learns(run_dir, result, name: str) -> None:
     evals = {row["step"]: row["eval/accuracy"] for row in rows if "eval/accuracy" in row}
     assert set(range(0, 701, 100)) <= set(evals)  # the tiny preset evaluates every 100 steps
     before, after = evals[0], sum(evals[step] for step in (500, 600, 700)) / 3
-    print(f"{name}: greedy eval accuracy {before:.3f} -> {after:.3f} (steps 500-700; "
-          f"every 100 steps: {', '.join(f'{evals[step]:.3f}' for step in sorted(evals))})")
+    print(
+        f"{name}: greedy eval accuracy {before:.3f} -> {after:.3f} (steps 500-700; "
+        f"every 100 steps: {', '.join(f'{evals[step]:.3f}' for step in sorted(evals))})"
+    )
     assert after >= 0.45 and after >= before + 0.25, result.stdout[-2000:]
     assert "greedy eval accuracy, before -> after" in result.stdout
 
@@ -51,16 +53,28 @@ def algorithm_runs(tmp_path_factory, tiny_model_dir):
     for name, override in ALGORITHMS.items():
         folder = tmp_path_factory.mktemp(name)
         output = (folder / "stdout.txt").open("w"), (folder / "stderr.txt").open("w")
-        process = subprocess.Popen([GRPO_TRAIN, override, f"hydra.run.dir={folder / 'run'}"], stdout=output[0],
-                                   stderr=output[1], text=True, env=env)
+        process = subprocess.Popen(
+            [GRPO_TRAIN, override, f"hydra.run.dir={folder / 'run'}"],
+            stdout=output[0],
+            stderr=output[1],
+            text=True,
+            env=env,
+        )
         started[name] = (folder, process, output)
     results = {}
     for name, (folder, process, output) in started.items():
         process.wait(timeout=1800)
         for handle in output:
             handle.close()
-        results[name] = (folder / "run", subprocess.CompletedProcess(
-            process.args, process.returncode, (folder / "stdout.txt").read_text(), (folder / "stderr.txt").read_text()))
+        results[name] = (
+            folder / "run",
+            subprocess.CompletedProcess(
+                process.args,
+                process.returncode,
+                (folder / "stdout.txt").read_text(),
+                (folder / "stderr.txt").read_text(),
+            ),
+        )
     return results
 
 
@@ -73,8 +87,7 @@ def test_run_raises_greedy_eval_accuracy(algorithm_runs, name):
 
 
 @pytest.mark.slow
-def test_the_default_learns_and_1000_steps_keep_memory_flat_and_step_time_steady(tmp_path,
-                                                                                tiny_model_dir):
+def test_the_default_learns_and_1000_steps_keep_memory_flat_and_step_time_steady(tmp_path, tiny_model_dir):
     # `grpo-train` as it comes is this run's first 700 steps: its learning rate is constant and
     # nothing of a step depends on trainer.steps (as two separate runs, their metrics were
     # identical row by row for steps 1-700). The run goes on to 1000 for the memory and time.
@@ -83,8 +96,7 @@ def test_the_default_learns_and_1000_steps_keep_memory_flat_and_step_time_steady
     saved = OmegaConf.to_container(OmegaConf.load(run_dir / "config.yaml"), resolve=True)
     default = OmegaConf.to_container(default_config(), resolve=True)
     assert (saved["optimizer"]["scheduler"], saved["optimizer"]["warmup_steps"]) == ("constant", 0)
-    differ = {(group, key) for group in default for key in default[group]
-              if saved[group][key] != default[group][key]}
+    differ = {(group, key) for group in default for key in default[group] if saved[group][key] != default[group][key]}
     assert differ == {("trainer", "steps"), ("trainer", "log_every"), ("trainer", "output_dir")}
     assert_learns(run_dir, result, "default")
 

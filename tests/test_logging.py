@@ -26,9 +26,20 @@ FAKE_NAMES = ("wandb", "mlflow")
 @pytest.fixture(scope="module")
 def tensorboard_run(tmp_path_factory, tiny_model_dir):
     folder = tmp_path_factory.mktemp("logging") / "run"
-    run(config(tiny_model_dir, "logger.tensorboard=true", "trainer.steps=4", "trainer.sample_every=2",
-               "trainer.sample_prompts=2", "trainer.eval_every=2", "trainer.eval_pass_at_k=true",
-               "data.eval_size=6", "trainer.checkpoint_every=0", f"trainer.output_dir={folder}"))
+    run(
+        config(
+            tiny_model_dir,
+            "logger.tensorboard=true",
+            "trainer.steps=4",
+            "trainer.sample_every=2",
+            "trainer.sample_prompts=2",
+            "trainer.eval_every=2",
+            "trainer.eval_pass_at_k=true",
+            "data.eval_size=6",
+            "trainer.checkpoint_every=0",
+            f"trainer.output_dir={folder}",
+        )
+    )
     return folder
 
 
@@ -39,8 +50,18 @@ def test_tensorboard_scalars_and_sample_texts_read_back_with_tensorboards_reader
     events.Reload()
     rows = {row["step"]: row for row in read_metrics(tensorboard_run)}
     tags = events.Tags()
-    for key in ("reward/mean", "kl", "beta", "clip_fraction", "entropy", "advantage/zero_std_fraction",
-                "completion/length_mean", "time/sample", "time/update", "sampler/group_size"):
+    for key in (
+        "reward/mean",
+        "kl",
+        "beta",
+        "clip_fraction",
+        "entropy",
+        "advantage/zero_std_fraction",
+        "completion/length_mean",
+        "time/sample",
+        "time/update",
+        "sampler/group_size",
+    ):
         assert key in tags["scalars"], key
         scalars = events.Scalars(key)
         assert [s.step for s in scalars] == [1, 2, 3, 4]
@@ -85,14 +106,30 @@ def test_pass_at_k_samples_a_training_steps_prompts_at_a_time(tmp_path, tiny_mod
         return sample(self, policy, batch, group_size)
 
     monkeypatch.setattr(FastSampler, "sample", counting)
-    run(config(tiny_model_dir, "logger.tensorboard=false", "trainer.steps=1", "trainer.eval_pass_at_k=true",
-               "data.eval_size=5", "trainer.checkpoint_every=0", f"trainer.output_dir={tmp_path}"))
+    run(
+        config(
+            tiny_model_dir,
+            "logger.tensorboard=false",
+            "trainer.steps=1",
+            "trainer.eval_pass_at_k=true",
+            "data.eval_size=5",
+            "trainer.checkpoint_every=0",
+            f"trainer.output_dir={tmp_path}",
+        )
+    )
     assert prompts_per_call == [2, 2, 1] + [2] + [2, 2, 1]  # eval before, the step, eval after
 
 
 def test_logger_jsonl_writes_no_tensorboard_files(tmp_path, tiny_model_dir):
-    run(config(tiny_model_dir, "logger.tensorboard=false", "trainer.steps=1", "data.eval_size=2",
-               f"trainer.output_dir={tmp_path}"))
+    run(
+        config(
+            tiny_model_dir,
+            "logger.tensorboard=false",
+            "trainer.steps=1",
+            "data.eval_size=2",
+            f"trainer.output_dir={tmp_path}",
+        )
+    )
     assert not (tmp_path / "tensorboard").exists()
     assert [row["step"] for row in read_metrics(tmp_path)] == [0, 1]
 
@@ -125,9 +162,19 @@ def test_wandb_and_mlflow_receive_every_step_and_the_samples(tmp_path, tiny_mode
     wandb, mlflow = fake_loggers
     wandb.calls.clear(), mlflow.calls.clear()
     folder = tmp_path / "run"
-    run(config(tiny_model_dir, "logger.wandb=true", "logger.mlflow=true", "logger.tensorboard=false",
-               "logger.project=demo", "trainer.steps=2", "trainer.sample_every=2", "data.eval_size=2",
-               f"trainer.output_dir={folder}"))
+    run(
+        config(
+            tiny_model_dir,
+            "logger.wandb=true",
+            "logger.mlflow=true",
+            "logger.tensorboard=false",
+            "logger.project=demo",
+            "trainer.steps=2",
+            "trainer.sample_every=2",
+            "data.eval_size=2",
+            f"trainer.output_dir={folder}",
+        )
+    )
     init = wandb.calls[0]
     assert init[0] == "init" and init[1]["project"] == "demo" and init[1]["name"] == "run"
     assert init[1]["config"]["trainer"]["steps"] == 2 and init[1]["resume"] == "allow"
@@ -144,20 +191,47 @@ def test_wandb_and_mlflow_receive_every_step_and_the_samples(tmp_path, tiny_mode
 
 def test_eval_holdout_evaluates_on_rows_kept_out_of_training(tmp_path, tiny_model_dir):
     data = tmp_path / "sums.jsonl"
-    data.write_text("".join(json.dumps({"prompt": f"Question: what is {a} + 1? Answer:", "answer": str(a + 1)}) + "\n"
-                            for a in range(10)))
-    run(config(tiny_model_dir, f"data.path={data}", "data.eval_holdout=3", "trainer.steps=1",
-               f"trainer.output_dir={tmp_path / 'run'}"))
+    data.write_text(
+        "".join(
+            json.dumps({"prompt": f"Question: what is {a} + 1? Answer:", "answer": str(a + 1)}) + "\n"
+            for a in range(10)
+        )
+    )
+    run(
+        config(
+            tiny_model_dir,
+            f"data.path={data}",
+            "data.eval_holdout=3",
+            "trainer.steps=1",
+            f"trainer.output_dir={tmp_path / 'run'}",
+        )
+    )
     first = read_metrics(tmp_path / "run")[0]
     assert first["step"] == 0 and "eval/accuracy" in first  # a file without eval_path is evaluated
 
 
-ROW = {"step": 12, "reward/mean": 0.75, "reward/std": 0.25, "reward/exact_match/mean": 0.75, "kl": 0.0123,
-       "beta": 0.04, "clip_fraction": 0.05, "clip/high_fraction": 0.03, "clip/low_fraction": 0.02,
-       "entropy": 1.5, "advantage/zero_std_fraction": 0.25, "completion/length_mean": 5.5,
-       "completion/length_max": 8, "completion/truncated_fraction": 0.125, "time/step": 1.5,
-       "time/sample": 1.0, "time/reward": 0.1, "time/update": 0.4, "tokens_per_second": 350.0,
-       "sampler/group_size": 8}
+ROW = {
+    "step": 12,
+    "reward/mean": 0.75,
+    "reward/std": 0.25,
+    "reward/exact_match/mean": 0.75,
+    "kl": 0.0123,
+    "beta": 0.04,
+    "clip_fraction": 0.05,
+    "clip/high_fraction": 0.03,
+    "clip/low_fraction": 0.02,
+    "entropy": 1.5,
+    "advantage/zero_std_fraction": 0.25,
+    "completion/length_mean": 5.5,
+    "completion/length_max": 8,
+    "completion/truncated_fraction": 0.125,
+    "time/step": 1.5,
+    "time/sample": 1.0,
+    "time/reward": 0.1,
+    "time/update": 0.4,
+    "tokens_per_second": 350.0,
+    "sampler/group_size": 8,
+}
 
 
 def test_the_status_panel_shows_every_number_the_issue_names():

@@ -51,8 +51,13 @@ def test_sequence_mean_ignores_masked_tokens_and_empty_rows():
 def _one_token(logp_minus_old: float, advantage: float, clip_eps: float = 0.2):
     log_probs = torch.tensor([[logp_minus_old]], requires_grad=True)
     loss, metrics = grpo_loss(
-        log_probs, torch.zeros(1, 1), None, torch.tensor([advantage]), torch.ones(1, 1),
-        paper(clip_eps), size(1),
+        log_probs,
+        torch.zeros(1, 1),
+        None,
+        torch.tensor([advantage]),
+        torch.ones(1, 1),
+        paper(clip_eps),
+        size(1),
     )
     loss.backward()
     clipped = metrics["clipped_high"].item() + metrics["clipped_low"].item()
@@ -88,8 +93,7 @@ def test_on_policy_gradient_is_minus_advantage_over_length():
     # gradient is -A / |o| / N. Two sequences (N = 2): lengths 2 and 1, A = (1, -2).
     log_probs = torch.zeros(2, 2, requires_grad=True)
     mask = torch.tensor([[1, 1], [1, 0]])
-    loss, _ = grpo_loss(log_probs, log_probs.detach(), None, torch.tensor([1.0, -2.0]), mask,
-                        paper(), size(2))
+    loss, _ = grpo_loss(log_probs, log_probs.detach(), None, torch.tensor([1.0, -2.0]), mask, paper(), size(2))
     loss.backward()
     # loss = -(1 * 1 + (-2) * 1) / 2 = 0.5
     assert loss.item() == pytest.approx(0.5)
@@ -101,8 +105,7 @@ def test_kl_term_adds_beta_times_k3_averaged_per_sequence():
     # per-sequence mean (0.193147 + 0) / 2, times beta 0.1, over 1 sequence = 0.0096574
     log_probs = torch.log(torch.tensor([[0.5, 0.3]]))
     ref = torch.log(torch.tensor([[0.25, 0.3]]))
-    loss, metrics = grpo_loss(log_probs, log_probs, ref, torch.zeros(1), torch.ones(1, 2),
-                              paper(beta=0.1), size(1))
+    loss, metrics = grpo_loss(log_probs, log_probs, ref, torch.zeros(1), torch.ones(1, 2), paper(beta=0.1), size(1))
     assert loss.item() == pytest.approx(0.1 * 0.193147 / 2, abs=1e-6)
     assert metrics["kl_sum"].item() == pytest.approx(0.193147, abs=1e-6)
 
@@ -113,8 +116,10 @@ def test_micro_batch_losses_add_up_to_the_full_batch_loss():
     advantages, mask = torch.randn(6), (torch.rand(6, 4) > 0.3).long()
     arguments = dict(settings=paper(beta=0.04), step=size(6))
     full, _ = grpo_loss(log_probs, old, ref, advantages, mask, **arguments)
-    parts = sum(grpo_loss(log_probs[s], old[s], ref[s], advantages[s], mask[s], **arguments)[0]
-                for s in (slice(0, 2), slice(2, 4), slice(4, 6)))
+    parts = sum(
+        grpo_loss(log_probs[s], old[s], ref[s], advantages[s], mask[s], **arguments)[0]
+        for s in (slice(0, 2), slice(2, 4), slice(4, 6))
+    )
     assert torch.allclose(full, parts, atol=1e-6)
 
 

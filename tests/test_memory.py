@@ -78,8 +78,9 @@ def real_parameter_bytes(model: torch.nn.Module, adapter: bool) -> int:
         total += nbytes(parameter)
         state = getattr(parameter, "quant_state", None)
         if state is not None:
-            total += sum(nbytes(t) for t in (state.absmax, state.code, state.offset,
-                                             state.state2.absmax, state.state2.code))
+            total += sum(
+                nbytes(t) for t in (state.absmax, state.code, state.offset, state.state2.absmax, state.state2.code)
+            )
         if getattr(parameter, "SCB", None) is not None:
             assert parameter.CB.data_ptr() == parameter.data_ptr()  # the int8 codes are the data itself
             total += nbytes(parameter.SCB)
@@ -88,8 +89,12 @@ def real_parameter_bytes(model: torch.nn.Module, adapter: bool) -> int:
 
 def real_optimizer_bytes(optimizer: torch.optim.Optimizer) -> int:
     """Every state tensor, each storage once (AdamW8bit's quantization maps are shared)."""
-    storages = {value.untyped_storage().data_ptr(): value.untyped_storage().nbytes()
-                for state in optimizer.state.values() for value in state.values() if torch.is_tensor(value)}
+    storages = {
+        value.untyped_storage().data_ptr(): value.untyped_storage().nbytes()
+        for state in optimizer.state.values()
+        for value in state.values()
+        if torch.is_tensor(value)
+    }
     return sum(storages.values())
 
 
@@ -115,7 +120,8 @@ def test_plan_equals_the_real_tensors_of_the_tiny_model(tiny_model_dir, mode):
     prompt_mask[:, :4] = 0  # left padding, as the sampler's batches have
     policy.train()
     saved, (log_probs, _) = autograd_saved_bytes(
-        policy, lambda: completion_log_probs(policy, prompt, prompt_mask, completion, torch.ones_like(completion)))
+        policy, lambda: completion_log_probs(policy, prompt, prompt_mask, completion, torch.ones_like(completion))
+    )
     parameters = trainable_parameters(policy)
     log_probs.sum().backward()
     assert plan.bytes_of("gradients") == sum(nbytes(p.grad) for p in parameters)
@@ -125,8 +131,13 @@ def test_plan_equals_the_real_tensors_of_the_tiny_model(tiny_model_dir, mode):
 
     # Activations are a model, not a count of every tensor: within 3% of what autograd kept
     # (LoRA: the first layer's norm input needs no grad and is not kept; the plan counts it).
-    micro = config(tiny_model_dir, *MODES[mode], f"data.prompts_per_step={SEQUENCES}", "sampler.group_size=1",
-                   f"sampler.max_new_tokens={NEW}")
+    micro = config(
+        tiny_model_dir,
+        *MODES[mode],
+        f"data.prompts_per_step={SEQUENCES}",
+        "sampler.group_size=1",
+        f"sampler.max_new_tokens={NEW}",
+    )
     kept = plan_memory(micro, prompt_tokens=PROMPT, device="cpu").bytes_of("update activations")
     logits = SEQUENCES * (NEW + 1) * 277 * LOGIT_BYTES.get(mode, 4)
     assert kept + logits == pytest.approx(saved, rel=0.03)
@@ -149,15 +160,20 @@ def test_the_shared_prompt_pass_keeps_what_the_plan_counts(tiny_model_dir):
     prompt_mask[:, :4] = 0
     completion = torch.randint(1, 277, (8, NEW))
     policy.train()
-    saved, _ = autograd_saved_bytes(policy, lambda: completion_log_probs(
-        policy, prompt, prompt_mask, completion, torch.ones_like(completion), 1.0, False, 4))
+    saved, _ = autograd_saved_bytes(
+        policy,
+        lambda: completion_log_probs(
+            policy, prompt, prompt_mask, completion, torch.ones_like(completion), 1.0, False, 4
+        ),
+    )
     shared = plan_memory(cfg, prompt_tokens=PROMPT, device="cpu")
     logits = 8 * (NEW + 1) * 277 * 4
     assert shared.bytes_of("update activations") + logits == pytest.approx(saved, rel=0.05)
     assert any("prompt pass shared by each group" in row.note for row in shared.rows)
     cfg.trainer.share_prompt_pass = False
     assert plan_memory(cfg, prompt_tokens=PROMPT, device="cpu").bytes_of("update activations") > 1.2 * (
-        shared.bytes_of("update activations"))
+        shared.bytes_of("update activations")
+    )
 
 
 def test_the_layouts_by_hand():
@@ -179,17 +195,30 @@ def test_the_layouts_by_hand():
 def test_architecture_of_a_folder_is_its_config_json(tiny_model_dir):
     numbers = json.loads((tiny_model_dir / "config.json").read_text())
     arch = architecture_of(config(tiny_model_dir).model)
-    assert (arch.hidden_size, arch.intermediate_size, arch.num_layers, arch.num_heads, arch.num_kv_heads,
-            arch.vocab_size, arch.tied_embeddings) == (
-        numbers["hidden_size"], numbers["intermediate_size"], numbers["num_hidden_layers"],
-        numbers["num_attention_heads"], numbers["num_key_value_heads"], numbers["vocab_size"],
-        numbers["tie_word_embeddings"])
+    assert (
+        arch.hidden_size,
+        arch.intermediate_size,
+        arch.num_layers,
+        arch.num_heads,
+        arch.num_kv_heads,
+        arch.vocab_size,
+        arch.tied_embeddings,
+    ) == (
+        numbers["hidden_size"],
+        numbers["intermediate_size"],
+        numbers["num_hidden_layers"],
+        numbers["num_attention_heads"],
+        numbers["num_key_value_heads"],
+        numbers["vocab_size"],
+        numbers["tie_word_embeddings"],
+    )
     assert arch.head_dim == 32 and arch.qkv_bias and not arch.o_bias and arch.context_length == 128
     # 277 x 128 embeddings + 4 x (q, k, v with biases, o, gate, up, down, 2 norms) + final norm
     layer = (128 * 128 + 128) + 2 * (64 * 128 + 64) + 128 * 128 + 3 * 256 * 128 + 2 * 128
     assert parameter_count(model_weights(arch)) == 277 * 128 + 4 * layer + 128 == 627_456
     assert parameter_count(lora_weights(arch, 4, ["all-linear"])) == 4 * 4 * (
-        (128 + 128) + 2 * (128 + 64) + (128 + 128) + 2 * (128 + 256) + (256 + 128))
+        (128 + 128) + 2 * (128 + 64) + (128 + 128) + 2 * (128 + 256) + (256 + 128)
+    )
 
 
 def compose_config(*overrides: str):
@@ -197,22 +226,27 @@ def compose_config(*overrides: str):
         return compose(config_name="config", overrides=list(overrides))
 
 
-@pytest.mark.parametrize("preset,expected", [
-    # 152064 x 3584 embeddings, twice (untied), + 28 layers x (q 3584^2 + 3584, k and v
-    # 512 x 3584 + 512, o 3584^2, gate/up/down 3 x 18944 x 3584, 2 norms of 3584) + 3584
-    # = 2 x 544,997,376 + 28 x 233,057,792 + 3584 = 7,615,616,512 (Qwen: "7.61B")
-    ("qwen2.5-7b-instruct", 7_615_616_512),
-    ("qwen2.5-coder-7b-instruct", 7_615_616_512),
-    # 128256 x 4096 twice + 32 x (q 4096^2, k and v 1024 x 4096, o 4096^2, 3 x 14336 x 4096,
-    # 2 x 4096) + 4096 = 2 x 525,336,576 + 32 x 218,112,000 + 4096 = 8,030,261,248 (Meta: "8.03B")
-    ("llama-3.1-8b-instruct", 8_030_261_248),
-    # tied: 151936 x 896 once + 24 x 14,912,384 + 896 = 494,032,768 ("0.49B")
-    ("qwen2.5-0.5b-instruct", 494_032_768),
-    # tied: 151936 x 1536 once + 28 x 46,797,824 + 1536 = 1,543,714,304 ("1.54B")
-    ("qwen2.5-1.5b-instruct", 1_543_714_304),
-])
+@pytest.mark.parametrize(
+    "preset,expected",
+    [
+        # 152064 x 3584 embeddings, twice (untied), + 28 layers x (q 3584^2 + 3584, k and v
+        # 512 x 3584 + 512, o 3584^2, gate/up/down 3 x 18944 x 3584, 2 norms of 3584) + 3584
+        # = 2 x 544,997,376 + 28 x 233,057,792 + 3584 = 7,615,616,512 (Qwen: "7.61B")
+        ("qwen2.5-7b-instruct", 7_615_616_512),
+        ("qwen2.5-coder-7b-instruct", 7_615_616_512),
+        # 128256 x 4096 twice + 32 x (q 4096^2, k and v 1024 x 4096, o 4096^2, 3 x 14336 x 4096,
+        # 2 x 4096) + 4096 = 2 x 525,336,576 + 32 x 218,112,000 + 4096 = 8,030,261,248 (Meta: "8.03B")
+        ("llama-3.1-8b-instruct", 8_030_261_248),
+        # tied: 151936 x 896 once + 24 x 14,912,384 + 896 = 494,032,768 ("0.49B")
+        ("qwen2.5-0.5b-instruct", 494_032_768),
+        # tied: 151936 x 1536 once + 28 x 46,797,824 + 1536 = 1,543,714,304 ("1.54B")
+        ("qwen2.5-1.5b-instruct", 1_543_714_304),
+    ],
+)
 def test_preset_architectures_count_the_published_sizes(preset, expected):
-    arch = architecture_of(compose_config(f"model={preset}").model)  # the preset's block (or the HF cache's config.json)
+    arch = architecture_of(
+        compose_config(f"model={preset}").model
+    )  # the preset's block (or the HF cache's config.json)
     assert parameter_count(model_weights(arch)) == expected
 
 
@@ -225,8 +259,13 @@ def test_no_folder_and_no_architecture_block_is_a_config_error():
 def seven_b_full_fine_tune(*overrides: str):
     """math_7b as a 16-bit full fine-tune with a frozen reference, checkpointing off (bfloat16:
     validate refuses float16 without LoRA; the bytes are the same)."""
-    return compose_config("conf=math_7b", "model.lora.enabled=false", "model.dtype=bfloat16",
-                          "model.gradient_checkpointing=false", *overrides)
+    return compose_config(
+        "conf=math_7b",
+        "model.lora.enabled=false",
+        "model.dtype=bfloat16",
+        "model.gradient_checkpointing=false",
+        *overrides,
+    )
 
 
 def test_seven_b_full_fine_tune_rows_by_hand():
@@ -247,7 +286,8 @@ def test_seven_b_full_fine_tune_rows_by_hand():
 def test_beta_zero_or_lora_has_no_reference_and_a_schedule_uses_its_peak(tiny_model_dir):
     def reference(*overrides):
         return plan_memory(config(tiny_model_dir, *overrides), prompt_tokens=PROMPT, device="cpu").bytes_of(
-            "reference model")
+            "reference model"
+        )
 
     assert reference("trainer.beta=0") == 0 and reference("trainer.beta=0.04", *LORA) == 0
     assert reference("trainer.beta={start: 0, end: 0.02}") == 627_456 * 4
@@ -286,8 +326,9 @@ def test_fast_sampling_on_a_cpu_plans_the_weights_it_packs(tiny_model_dir, lora,
 
 def test_a_seven_b_model_on_a_cpu_plans_its_packed_linear_weights():
     # every decoder linear of Qwen2.5-7B and its head are above the packing size
-    plan = plan_memory(seven_b_full_fine_tune("model.dtype=float32", "sampler.backend=fast"), prompt_tokens=256,
-                       device="cpu")
+    plan = plan_memory(
+        seven_b_full_fine_tune("model.dtype=float32", "sampler.backend=fast"), prompt_tokens=256, device="cpu"
+    )
     h, i, layers, vocab = 3584, 18944, 28, 152064
     linears = layers * (h * h + 2 * h * 512 + h * h + 3 * h * i) + vocab * h  # q, k and v (4 KV heads x 128), o; MLP
     assert plan.bytes_of("sampling packed weights") == 4 * linears
@@ -302,9 +343,13 @@ def test_reward_model_is_counted_from_its_config_or_its_architecture(tiny_model_
     assert plan.phase_bytes["reward scoring"] > 0
     elsewhere = plan_memory(config(tiny_model_dir, f"reward.functions=[{entry}]"), prompt_tokens=PROMPT, device="cuda")
     assert "reward scoring" not in elsewhere.phase_bytes  # on the CPU, the policy on the GPU
-    shape = ("{model_type: qwen2, hidden_size: 3584, intermediate_size: 18944, num_hidden_layers: 28, num_attention_heads: 28, "
-             "num_key_value_heads: 4, vocab_size: 152064, tie_word_embeddings: false}")
-    remote = f"{{_target_: grpo_cli.rewards.reward_model, path: Org/Qwen2.5-7B-RM, dtype: bfloat16, architecture: {shape}}}"
+    shape = (
+        "{model_type: qwen2, hidden_size: 3584, intermediate_size: 18944, num_hidden_layers: 28, num_attention_heads: 28, "
+        "num_key_value_heads: 4, vocab_size: 152064, tie_word_embeddings: false}"
+    )
+    remote = (
+        f"{{_target_: grpo_cli.rewards.reward_model, path: Org/Qwen2.5-7B-RM, dtype: bfloat16, architecture: {shape}}}"
+    )
     plan = plan_memory(seven_b_full_fine_tune(f"reward.functions=[{remote}]"), prompt_tokens=256, device="cuda")
     assert plan.bytes_of("reward model Org/Qwen2.5-7B-RM") == 2 * (7_615_616_512 - 152064 * 3584 + 3584)
 
@@ -330,14 +375,24 @@ def test_fixes_are_cheapest_first_and_stop_at_the_budget():
     # math_7b (LoRA, bfloat16, checkpointing) peaks while sampling: a smaller micro-batch saves nothing.
     math_7b = compose_config("conf=math_7b")
     assert [fix.change for fix in cheapest_fixes(math_7b, plan_memory(math_7b, device="cuda"))] == [
-        "8-bit AdamW states", "4-bit base (QLoRA)"]
+        "8-bit AdamW states",
+        "4-bit base (QLoRA)",
+    ]
 
 
 def test_format_plan_is_a_table_with_the_peak_and_the_verdict(tiny_model_dir):
     plan = plan_memory(config(tiny_model_dir), prompt_tokens=PROMPT, device="cpu")
     text = format_plan(plan, budget_bytes=10**12)
-    for name in ("policy weights", "gradients", "optimizer states", "reference model", "sampling KV cache",
-                 "update activations", "<- peak", "fits"):
+    for name in (
+        "policy weights",
+        "gradients",
+        "optimizer states",
+        "reference model",
+        "sampling KV cache",
+        "update activations",
+        "<- peak",
+        "fits",
+    ):
         assert name in text
     assert f"= {plan.peak_bytes / GB:.2f} GB" in text
     assert "does not fit" in format_plan(plan, budget_bytes=1)
@@ -388,13 +443,26 @@ def planned_and_measured(model_dir, shape: list[str], *cases: str) -> list[tuple
     path = os.pathsep.join(filter(None, [TESTS_DIR, os.environ.get("PYTHONPATH")]))
     # OpenMP, MKL and oneDNN keep buffers per thread, in the RSS too: 2 threads (the CI machines'
     # 2 cores) on every machine, so the rise does not depend on how many cores this one has.
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "MALLOC_MMAP_THRESHOLD_": "131072", "PYTHONPATH": path,
-           "OMP_NUM_THREADS": "2", "MKL_NUM_THREADS": "2"}
-    result = subprocess.run([sys.executable, "-c", RSS_CHILD, str(model_dir), json.dumps(shape), *cases], env=env,
-                            capture_output=True, text=True, timeout=600)
+    env = {
+        **os.environ,
+        "HF_HUB_OFFLINE": "1",
+        "MALLOC_MMAP_THRESHOLD_": "131072",
+        "PYTHONPATH": path,
+        "OMP_NUM_THREADS": "2",
+        "MKL_NUM_THREADS": "2",
+    }
+    result = subprocess.run(
+        [sys.executable, "-c", RSS_CHILD, str(model_dir), json.dumps(shape), *cases],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert result.returncode == 0, result.stderr[-3000:]
-    return [(phase, int(rise), int(planned)) for phase, rise, planned in
-            (line.split() for line in result.stdout.splitlines())]
+    return [
+        (phase, int(rise), int(planned))
+        for phase, rise, planned in (line.split() for line in result.stdout.splitlines())
+    ]
 
 
 @pytest.mark.slow  # about 20 s on an idle machine: two steps of 256 completions in a fresh process
@@ -404,8 +472,12 @@ def test_planned_step_memory_is_within_30_percent_of_the_peak_rss_rise(tiny_mode
     optimizer states that the first update creates, whichever is larger. glibc's mmap threshold
     is fixed, so freed tensors go back to the system; with its default (a threshold that rises
     after each free) freed memory stays in the heap and the RSS rise is 1.2-2.3x the plan."""
-    shape = ["data.prompts_per_step=16", "sampler.group_size=16", "sampler.max_new_tokens=100",
-             "sampler.min_new_tokens=100"]
+    shape = [
+        "data.prompts_per_step=16",
+        "sampler.group_size=16",
+        "sampler.max_new_tokens=100",
+        "sampler.min_new_tokens=100",
+    ]
     # micro-batch 0: the update (the whole step's activations) is the peak; 8, no KL: sampling is.
     measured = planned_and_measured(tiny_model_dir, shape, "0:0.04", "8:0")
     assert [phase for phase, _, _ in measured] == ["update", "sampling"]
@@ -421,9 +493,16 @@ def test_planned_step_memory_of_the_real_model_is_within_30_percent_of_the_peak_
     knew of the shared prompt pass it said 6.19 GB, 1.68x). Measured once, not run here (a
     minute a case): micro-batch 4, half a group, so no shared pass, 2.83 against 2.89 GB (0.98x)."""
     gsm8k = shared_file("gsm8k/train.jsonl", "GSM8K")
-    shape = [f"data.path={gsm8k}", "data.prompt_field=question", "data.use_chat_template=auto",
-             "data.prompts_per_step=2", "sampler.group_size=8", "sampler.max_new_tokens=64",
-             "sampler.min_new_tokens=64", "model.dtype=float32"]
+    shape = [
+        f"data.path={gsm8k}",
+        "data.prompt_field=question",
+        "data.use_chat_template=auto",
+        "data.prompts_per_step=2",
+        "sampler.group_size=8",
+        "sampler.max_new_tokens=64",
+        "sampler.min_new_tokens=64",
+        "model.dtype=float32",
+    ]
     measured = planned_and_measured(smollm2_dir, shape, "0:0.04")
     assert [phase for phase, _, _ in measured] == ["update"]
     for phase, rise, planned in measured:

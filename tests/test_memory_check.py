@@ -26,6 +26,7 @@ class LoadedWeights(Exception):
 def no_loading(monkeypatch):
     def refuse(*args, **kwargs):
         raise LoadedWeights
+
     monkeypatch.setattr(pipeline, "load_models", refuse)
 
 
@@ -38,8 +39,9 @@ def rewarded_config(tiny_model_dir, *overrides):
 @pytest.mark.slow
 def test_plan_only_prints_the_7b_table_and_exits_0_on_a_machine_without_the_model(tmp_path):
     # Qwen2.5-7B is not on this machine: its preset's architecture block is counted.
-    result = grpo_train("conf=math_7b", "trainer.plan=true", "trainer.device=cuda", "trainer.memory_budget_gb=16",
-                        cwd=tmp_path)
+    result = grpo_train(
+        "conf=math_7b", "trainer.plan=true", "trainer.device=cuda", "trainer.memory_budget_gb=16", cwd=tmp_path
+    )
     out = result.stdout
     assert "policy weights        15.23  7,615,616,512 params x 2 B (bfloat16)" in out
     assert "shape from model.architecture of Qwen/Qwen2.5-7B-Instruct" in out
@@ -59,8 +61,9 @@ def test_a_run_over_budget_stops_before_loading_with_the_table_and_the_fixes(tmp
 
 
 def test_plan_force_trains_anyway(tmp_path, tiny_model_dir, no_loading):
-    cfg = rewarded_config(tiny_model_dir, f"trainer.output_dir={tmp_path}", "trainer.memory_budget_gb=0.001",
-                          "trainer.plan_force=true")
+    cfg = rewarded_config(
+        tiny_model_dir, f"trainer.output_dir={tmp_path}", "trainer.memory_budget_gb=0.001", "trainer.plan_force=true"
+    )
     with pytest.raises(LoadedWeights):
         pipeline.run(cfg)
 
@@ -99,8 +102,9 @@ def test_prompts_are_planned_at_their_real_length_when_the_tokenizer_is_here(tin
 def test_a_model_the_planner_cannot_count_trains_without_a_plan(tmp_path, tiny_model_dir, capsys):
     folder = tmp_path / "gpt2-like"
     folder.mkdir()
-    (folder / "config.json").write_text(json.dumps({"model_type": "gpt2", "n_embd": 64, "n_layer": 2,
-                                                    "n_head": 2, "vocab_size": 100}))
+    (folder / "config.json").write_text(
+        json.dumps({"model_type": "gpt2", "n_embd": 64, "n_layer": 2, "n_head": 2, "vocab_size": 100})
+    )
     cfg = config(tiny_model_dir, f"model.name_or_path={folder}")
     with pytest.raises(ConfigError, match="counts Qwen2/Llama-style decoders only"):
         architecture_of(cfg.model)
@@ -109,8 +113,16 @@ def test_a_model_the_planner_cannot_count_trains_without_a_plan(tmp_path, tiny_m
 
 
 def test_an_architecture_block_needs_a_known_model_type():
-    shape = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
-             "num_key_value_heads": 2, "vocab_size": 100, "tie_word_embeddings": True, "head_dim": None}
+    shape = {
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "vocab_size": 100,
+        "tie_word_embeddings": True,
+        "head_dim": None,
+    }
     with pytest.raises(ConfigError, match="model.architecture.model_type='gpt-9' .org/model. is not a model type"):
         architecture_from_block({"model_type": "gpt-9", **shape}, "org/model")
     with pytest.raises(ConfigError, match="model_type not set"):
@@ -128,12 +140,24 @@ def test_the_gpu_memory_bench_builds_a_preset_shaped_model_the_plan_counts_exact
     from grpo_cli.planner.architecture import model_weights, parameter_count
 
     bench = load_script("bench_memory")
-    block = OmegaConf.create({"model_type": "llama", "hidden_size": 64, "intermediate_size": 96,
-                              "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
-                              "vocab_size": 300, "tie_word_embeddings": False, "head_dim": None})
+    block = OmegaConf.create(
+        {
+            "model_type": "llama",
+            "hidden_size": 64,
+            "intermediate_size": 96,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+            "vocab_size": 300,
+            "tie_word_embeddings": False,
+            "head_dim": None,
+        }
+    )
     folder = bench.build_random_model(block, tmp_path / "llama-shaped", torch.float32, "cpu")
     model = load_models(config(tiny_model_dir, f"model.name_or_path={folder}").model, 0.0, torch.device("cpu")).policy
-    planned = parameter_count(model_weights(architecture_of(config(tiny_model_dir, f"model.name_or_path={folder}").model)))
+    planned = parameter_count(
+        model_weights(architecture_of(config(tiny_model_dir, f"model.name_or_path={folder}").model))
+    )
     assert planned == sum(p.numel() for p in model.parameters())
     rows = bench.run_case("tiny", "cpu", 1, tmp_path)
     assert [(case, phase) for case, phase, _, _ in rows] == [("tiny", "sampling"), ("tiny", "update")]

@@ -24,8 +24,13 @@ def test_beta_zero_loads_no_reference(tiny_model_dir):
 
 @pytest.mark.parametrize("checkpointing", [False, True])
 def test_lora_trains_the_adapter_only_and_its_reference_is_the_base(tiny_model_dir, checkpointing):
-    cfg = config(tiny_model_dir, "model.lora.enabled=true", "model.lora.r=4",
-                 f"model.gradient_checkpointing={checkpointing}", "trainer.beta=0.04")
+    cfg = config(
+        tiny_model_dir,
+        "model.lora.enabled=true",
+        "model.lora.r=4",
+        f"model.gradient_checkpointing={checkpointing}",
+        "trainer.beta=0.04",
+    )
     models, rollout, stats, changed, total = one_step(cfg)
     assert models.reference is None  # no second copy of the weights
     names = [n for n, p in models.policy.named_parameters() if p.requires_grad]
@@ -45,8 +50,13 @@ def test_lora_trains_the_adapter_only_and_its_reference_is_the_base(tiny_model_d
 
 
 def test_qlora_4bit_loads_and_trains_on_cpu(tiny_model_dir):
-    cfg = config(tiny_model_dir, "model.lora.enabled=true", "model.lora.r=4",
-                 "model.quantization=4bit", "model.lora.target_modules=[all-linear]")
+    cfg = config(
+        tiny_model_dir,
+        "model.lora.enabled=true",
+        "model.lora.r=4",
+        "model.quantization=4bit",
+        "model.lora.target_modules=[all-linear]",
+    )
     models, _, stats, changed, total = one_step(cfg)
     assert changed == total // 2 and stats.tokens > 0  # the lora_B half, as above
     assert any("4bit" in type(m).__name__ for m in models.policy.modules())

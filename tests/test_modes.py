@@ -105,8 +105,7 @@ def test_a_full_fine_tunes_reference_can_sit_on_the_cpu(tiny_model_dir):
 
 def test_paged_optimizers_are_refused_on_the_cpu(tiny_model_dir):
     with pytest.raises(ConfigError, match="paged optimizers keep their states in CUDA unified memory"):
-        validate(config(tiny_model_dir, "optimizer._target_=bitsandbytes.optim.PagedAdamW8bit",
-                        "trainer.device=cpu"))
+        validate(config(tiny_model_dir, "optimizer._target_=bitsandbytes.optim.PagedAdamW8bit", "trainer.device=cpu"))
 
 
 @pytest.fixture(scope="module")
@@ -117,8 +116,16 @@ def lora_runs(tmp_path_factory, tiny_model_dir):
     folders = {}
     for name, extra in (("lora", []), ("qlora", ["model.quantization=4bit"])):
         folder = tmp_path_factory.mktemp(name)
-        settings = [*LORA, *extra, ALTERNATING_REWARD, "optimizer.lr=1e-2", "data.prompts_per_step=8", "data.eval_size=4",
-                    "trainer.checkpoint_every=1", f"trainer.output_dir={folder}"]
+        settings = [
+            *LORA,
+            *extra,
+            ALTERNATING_REWARD,
+            "optimizer.lr=1e-2",
+            "data.prompts_per_step=8",
+            "data.eval_size=4",
+            "trainer.checkpoint_every=1",
+            f"trainer.output_dir={folder}",
+        ]
         run(config(tiny_model_dir, *settings, "trainer.steps=2"))
         run(config(tiny_model_dir, *settings, "trainer.steps=3", "trainer.resume=true"))
         folders[name] = folder
@@ -147,8 +154,9 @@ def test_grpo_export_merges_the_adapter_into_a_model_with_the_same_logits(lora_r
     assert "step-000003" in result.stdout  # the run's newest checkpoint
     merged = AutoModelForCausalLM.from_pretrained(out)
     assert not any("lora" in key for key in merged.state_dict())
-    wrapped = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tiny_model_dir),
-                                        lora_runs[name] / "checkpoints" / "step-000003")
+    wrapped = PeftModel.from_pretrained(
+        AutoModelForCausalLM.from_pretrained(tiny_model_dir), lora_runs[name] / "checkpoints" / "step-000003"
+    )
     tokens = AutoTokenizer.from_pretrained(out)(["Question: what is 3 + 4? Answer: 7"], return_tensors="pt")
     with torch.no_grad():
         # QLoRA trained against 4-bit weights; the export merges into the full-precision base,

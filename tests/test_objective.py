@@ -99,8 +99,20 @@ def paper_kl(logp: torch.Tensor, ref: torch.Tensor, estimator: str) -> torch.Ten
     raise AssertionError(estimator)
 
 
-def paper_objective(log_probs, old_log_probs, ref_log_probs, advantages, mask, *, clip_eps_low,
-                    clip_eps_high, beta, kl_estimator, aggregation, max_new_tokens):
+def paper_objective(
+    log_probs,
+    old_log_probs,
+    ref_log_probs,
+    advantages,
+    mask,
+    *,
+    clip_eps_low,
+    clip_eps_high,
+    beta,
+    kl_estimator,
+    aggregation,
+    max_new_tokens,
+):
     """-J by explicit loops; returns (loss, tokens clipped on the high side, on the low side)."""
     num_sequences, length = log_probs.shape
     total_tokens = int(mask.sum())
@@ -149,11 +161,13 @@ def random_step(seed: int = 0):
     def normal(*shape):
         return torch.randn(*shape, generator=generator, dtype=F64)
 
-    rewards = torch.stack([
-        normal(GROUP_SIZE),  # continuous rewards
-        torch.tensor([1.0, 0.0, 0.0, 1.0], dtype=F64),  # a correct/incorrect group
-        torch.full((GROUP_SIZE,), 0.5, dtype=F64),  # no spread: A = 0 in every mode
-    ])
+    rewards = torch.stack(
+        [
+            normal(GROUP_SIZE),  # continuous rewards
+            torch.tensor([1.0, 0.0, 0.0, 1.0], dtype=F64),  # a correct/incorrect group
+            torch.full((GROUP_SIZE,), 0.5, dtype=F64),  # no spread: A = 0 in every mode
+        ]
+    )
     log_probs = -torch.rand(rows, LENGTH, generator=generator, dtype=F64) * 3
     # old = logp + noise of std 0.3: rho = exp(-noise) lands outside [0.8, 1.28] on both sides
     old_log_probs = log_probs + 0.3 * normal(rows, LENGTH)
@@ -170,8 +184,9 @@ def ours_and_papers(aggregation, mode, kl_estimator, clip_eps_high, rows=None):
     expected_advantages = paper_advantages(rewards.tolist(), mode)
     assert torch.allclose(advantages, torch.tensor(expected_advantages, dtype=F64), atol=1e-12)
 
-    settings = LossSettings(clip_eps=0.2, clip_eps_high=clip_eps_high, beta=BETA,
-                            kl_estimator=kl_estimator, aggregation=aggregation)
+    settings = LossSettings(
+        clip_eps=0.2, clip_eps_high=clip_eps_high, beta=BETA, kl_estimator=kl_estimator, aggregation=aggregation
+    )
     step = StepSize(sequences=mask.shape[0], tokens=int(mask.sum()), max_new_tokens=MAX_NEW_TOKENS)
     ours_input = log_probs.clone().requires_grad_()
     ours, metrics = grpo_loss(ours_input, old, ref, advantages, mask, settings, step)
@@ -179,32 +194,49 @@ def ours_and_papers(aggregation, mode, kl_estimator, clip_eps_high, rows=None):
 
     paper_input = log_probs.clone().requires_grad_()
     paper, clipped_high, clipped_low = paper_objective(
-        paper_input, old, ref, expected_advantages, mask, clip_eps_low=0.2, clip_eps_high=clip_eps_high,
-        beta=BETA, kl_estimator=kl_estimator, aggregation=aggregation, max_new_tokens=MAX_NEW_TOKENS)
+        paper_input,
+        old,
+        ref,
+        expected_advantages,
+        mask,
+        clip_eps_low=0.2,
+        clip_eps_high=clip_eps_high,
+        beta=BETA,
+        kl_estimator=kl_estimator,
+        aggregation=aggregation,
+        max_new_tokens=MAX_NEW_TOKENS,
+    )
     paper.backward()
     return (ours, ours_input.grad, metrics), (paper, paper_input.grad, clipped_high, clipped_low)
 
 
 CASES = [
     # every aggregation x every advantage mode, k3 (the paper's estimator), DAPO's clip-higher
-    *[pytest.param(aggregation, mode, "k3", 0.28, id=f"{aggregation}-{mode}-k3-clip_high")
-      for aggregation in ("sequence_mean", "token_mean", "constant")
-      for mode in ("grpo", "rloo", "dr_grpo", "batch_std")],
+    *[
+        pytest.param(aggregation, mode, "k3", 0.28, id=f"{aggregation}-{mode}-k3-clip_high")
+        for aggregation in ("sequence_mean", "token_mean", "constant")
+        for mode in ("grpo", "rloo", "dr_grpo", "batch_std")
+    ],
     # the other estimators with one aggregation
-    *[pytest.param("sequence_mean", mode, estimator, 0.28, id=f"sequence_mean-{mode}-{estimator}")
-      for estimator in ("k1", "k2") for mode in ("grpo", "rloo")],
+    *[
+        pytest.param("sequence_mean", mode, estimator, 0.28, id=f"sequence_mean-{mode}-{estimator}")
+        for estimator in ("k1", "k2")
+        for mode in ("grpo", "rloo")
+    ],
     pytest.param("token_mean", "dr_grpo", "k2", 0.28, id="token_mean-dr_grpo-k2"),
     # the paper's symmetric clip
-    *[pytest.param(aggregation, "grpo", "k3", 0.2, id=f"{aggregation}-grpo-k3-symmetric")
-      for aggregation in ("sequence_mean", "token_mean", "constant")],
+    *[
+        pytest.param(aggregation, "grpo", "k3", 0.2, id=f"{aggregation}-grpo-k3-symmetric")
+        for aggregation in ("sequence_mean", "token_mean", "constant")
+    ],
 ]
 
 
 @pytest.mark.parametrize("aggregation, mode, kl_estimator, clip_eps_high", CASES)
-def test_grpo_loss_equals_the_literal_objective_in_value_and_gradient(aggregation, mode, kl_estimator,
-                                                                      clip_eps_high):
+def test_grpo_loss_equals_the_literal_objective_in_value_and_gradient(aggregation, mode, kl_estimator, clip_eps_high):
     (ours, ours_grad, metrics), (paper, paper_grad, clipped_high, clipped_low) = ours_and_papers(
-        aggregation, mode, kl_estimator, clip_eps_high)
+        aggregation, mode, kl_estimator, clip_eps_high
+    )
     # the data must exercise both clip bounds, or the comparison would not test the clipping
     assert clipped_high > 0 and clipped_low > 0
     assert torch.allclose(ours, paper, atol=1e-6), (ours.item(), paper.item())
@@ -229,13 +261,25 @@ def test_micro_batch_losses_and_gradients_add_up_to_the_step(aggregation):
     full.backward()
 
     parts_input = log_probs.clone().requires_grad_()
-    parts = sum(grpo_loss(parts_input[rows], old[rows], ref[rows], advantages[rows], mask[rows], settings, step)[0]
-                for rows in (slice(0, 5), slice(5, 9), slice(9, 12)))  # uneven sizes on purpose
+    parts = sum(
+        grpo_loss(parts_input[rows], old[rows], ref[rows], advantages[rows], mask[rows], settings, step)[0]
+        for rows in (slice(0, 5), slice(5, 9), slice(9, 12))
+    )  # uneven sizes on purpose
     parts.backward()
 
-    paper, _, _ = paper_objective(log_probs, old, ref, paper_advantages(rewards.tolist(), "grpo"), mask,
-                                  clip_eps_low=0.2, clip_eps_high=0.28, beta=BETA, kl_estimator="k3",
-                                  aggregation=aggregation, max_new_tokens=MAX_NEW_TOKENS)
+    paper, _, _ = paper_objective(
+        log_probs,
+        old,
+        ref,
+        paper_advantages(rewards.tolist(), "grpo"),
+        mask,
+        clip_eps_low=0.2,
+        clip_eps_high=0.28,
+        beta=BETA,
+        kl_estimator="k3",
+        aggregation=aggregation,
+        max_new_tokens=MAX_NEW_TOKENS,
+    )
     assert torch.allclose(parts, full, atol=1e-9)
     assert torch.allclose(full, paper, atol=1e-6)
     assert torch.allclose(parts_input.grad, full_input.grad, atol=1e-9)
@@ -247,8 +291,15 @@ def test_micro_batch_losses_and_gradients_add_up_to_the_step(aggregation):
 def _one_token_loss(rho: float, advantage: float, clip_eps: float, clip_eps_high: float):
     """One sequence of one token (N = |o| = 1), no KL: loss = -min(rho A, clip(rho) A)."""
     log_probs = torch.tensor([[math.log(rho)]], dtype=F64, requires_grad=True)
-    loss, metrics = grpo_loss(log_probs, torch.zeros(1, 1, dtype=F64), None, torch.tensor([advantage], dtype=F64),
-                              torch.ones(1, 1), LossSettings(clip_eps, clip_eps_high, beta=0.0), StepSize(1, 1, 1))
+    loss, metrics = grpo_loss(
+        log_probs,
+        torch.zeros(1, 1, dtype=F64),
+        None,
+        torch.tensor([advantage], dtype=F64),
+        torch.ones(1, 1),
+        LossSettings(clip_eps, clip_eps_high, beta=0.0),
+        StepSize(1, 1, 1),
+    )
     loss.backward()
     return loss.item(), log_probs.grad.item(), metrics["clipped_high"].item(), metrics["clipped_low"].item()
 
@@ -286,9 +337,15 @@ def test_kl_estimators_by_hand():
 def test_the_loss_adds_beta_times_the_chosen_estimator(estimator, value):
     # A = 0 leaves only the KL term: one token, loss = beta * k = 0.1 * value
     logp = torch.tensor([[math.log(0.5)]], dtype=F64)
-    loss, metrics = grpo_loss(logp, logp, torch.tensor([[math.log(0.25)]], dtype=F64), torch.zeros(1, dtype=F64),
-                              torch.ones(1, 1), LossSettings(0.2, 0.2, beta=0.1, kl_estimator=estimator),
-                              StepSize(1, 1, 1))
+    loss, metrics = grpo_loss(
+        logp,
+        logp,
+        torch.tensor([[math.log(0.25)]], dtype=F64),
+        torch.zeros(1, dtype=F64),
+        torch.ones(1, 1),
+        LossSettings(0.2, 0.2, beta=0.1, kl_estimator=estimator),
+        StepSize(1, 1, 1),
+    )
     assert loss.item() == pytest.approx(0.1 * value, abs=1e-7)
     assert metrics["kl_sum"].item() == pytest.approx(value, abs=1e-6)
 
@@ -328,9 +385,15 @@ def _on_policy_two_rows(aggregation: str, max_new_tokens: int = 4):
     """Rows of lengths 1 and 3, A = (1, -2), on policy (rho = 1), no KL: token (i, t) loses -A_i."""
     log_probs = torch.zeros(2, 3, dtype=F64, requires_grad=True)
     mask = torch.tensor([[1, 0, 0], [1, 1, 1]])
-    loss, _ = grpo_loss(log_probs, log_probs.detach(), None, torch.tensor([1.0, -2.0], dtype=F64), mask,
-                        LossSettings(0.2, 0.2, beta=0.0, aggregation=aggregation),
-                        StepSize(sequences=2, tokens=4, max_new_tokens=max_new_tokens))
+    loss, _ = grpo_loss(
+        log_probs,
+        log_probs.detach(),
+        None,
+        torch.tensor([1.0, -2.0], dtype=F64),
+        mask,
+        LossSettings(0.2, 0.2, beta=0.0, aggregation=aggregation),
+        StepSize(sequences=2, tokens=4, max_new_tokens=max_new_tokens),
+    )
     loss.backward()
     return loss.item(), log_probs.grad.tolist()
 
@@ -380,8 +443,15 @@ def test_clip_metrics_count_each_side_over_masked_tokens_only():
     # -> clipped_high 1, clipped_low 2
     rho = torch.tensor([[1.5, 0.5, 1.0, 1.0], [0.5, 0.6, 1.5, 0.7]], dtype=F64)
     mask = torch.tensor([[1, 1, 1, 0], [1, 1, 1, 0]])
-    _, metrics = grpo_loss(rho.log(), torch.zeros(2, 4, dtype=F64), None, torch.tensor([1.0, -1.0], dtype=F64),
-                           mask, LossSettings(0.2, 0.2, beta=0.0), StepSize(2, 6, 4))
+    _, metrics = grpo_loss(
+        rho.log(),
+        torch.zeros(2, 4, dtype=F64),
+        None,
+        torch.tensor([1.0, -1.0], dtype=F64),
+        mask,
+        LossSettings(0.2, 0.2, beta=0.0),
+        StepSize(2, 6, 4),
+    )
     assert metrics["clipped_high"].item() == 1
     assert metrics["clipped_low"].item() == 2
     assert metrics["tokens"].item() == 6

@@ -25,14 +25,17 @@ def learning_rates(scheduler, optimizer, steps: int) -> list[float]:
 @pytest.mark.parametrize("schedule", ["constant", "linear", "cosine"])
 @pytest.mark.parametrize("warmup", [0, 1, 7])
 def test_each_schedule_is_transformers_own(tiny_model_dir, schedule, warmup):
-    cfg = config(tiny_model_dir, f"optimizer.scheduler={schedule}", f"optimizer.warmup_steps={warmup}",
-                 "optimizer.lr=3e-4").optimizer
+    cfg = config(
+        tiny_model_dir, f"optimizer.scheduler={schedule}", f"optimizer.warmup_steps={warmup}", "optimizer.lr=3e-4"
+    ).optimizer
     rates = {}
     for side in ("ours", "transformers"):
         optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=cfg.lr)
-        scheduler = (make_scheduler(cfg, optimizer, 20) if side == "ours" else
-                     get_scheduler(TRANSFORMERS_NAMES[schedule], optimizer, num_warmup_steps=warmup,
-                                   num_training_steps=20))
+        scheduler = (
+            make_scheduler(cfg, optimizer, 20)
+            if side == "ours"
+            else get_scheduler(TRANSFORMERS_NAMES[schedule], optimizer, num_warmup_steps=warmup, num_training_steps=20)
+        )
         rates[side] = learning_rates(scheduler, optimizer, 25)  # 5 steps past the end
     assert rates["ours"] == pytest.approx(rates["transformers"], rel=1e-12, abs=1e-15)
     assert len(set(rates["ours"])) > (1 if schedule != "constant" or warmup else 0)

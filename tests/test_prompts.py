@@ -294,8 +294,9 @@ def test_batches_are_left_padded(tokenizer, tmp_path):
 
 def test_answer_column_defaults_to_answer_field_named_answer(tokenizer, tmp_path):
     rows = [{"prompt": "a", "answer": "1"}, {"prompt": "b", "answer": "2"}]
-    src = PromptSource(data_config("unused.jsonl", prompt_field="prompt", answer_field="answer",
-                                   shuffle=False), tokenizer, rows=rows)
+    src = PromptSource(
+        data_config("unused.jsonl", prompt_field="prompt", answer_field="answer", shuffle=False), tokenizer, rows=rows
+    )
     assert src.next_batch().columns == {"answer": ["1", "2"]}
 
 
@@ -395,8 +396,12 @@ def test_chat_template_is_applied_when_present(tokenizer, tmp_path):
 
 
 def test_prompt_source_on_the_synthetic_task(tokenizer):
-    src = PromptSource(data_config("synthetic:addition", prompt_field="prompt", answer_field="answer",
-                                   prompts_per_step=4, shuffle=False), tokenizer)
+    src = PromptSource(
+        data_config(
+            "synthetic:addition", prompt_field="prompt", answer_field="answer", prompts_per_step=4, shuffle=False
+        ),
+        tokenizer,
+    )
     batch = src.next_batch()
     # addition_rows() is a, b in range(10) row-major: 0+0, 0+1, 0+2, 0+3.
     assert batch.texts == [f"Question: what is 0 + {b}? Answer:" for b in range(4)]

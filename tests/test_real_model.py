@@ -36,15 +36,24 @@ pytestmark = pytest.mark.slow
 @pytest.fixture(scope="module")
 def questions(tmp_path_factory):
     path = tmp_path_factory.mktemp("real") / "questions.jsonl"
-    path.write_text("".join(json.dumps({"question": question, "answer": str(eval(question[8:-1]))})
-                            + "\n" for question in QUESTIONS))
+    path.write_text(
+        "".join(
+            json.dumps({"question": question, "answer": str(eval(question[8:-1]))}) + "\n" for question in QUESTIONS
+        )
+    )
     return path
 
 
 def real_config(smollm2_dir, questions, *overrides: str):
-    return config(smollm2_dir, f"data.path={questions}", "data.prompt_field=question",
-                  f"data.system_prompt='{SYSTEM}'", "data.use_chat_template=auto",
-                  "data.shuffle=false", *overrides)
+    return config(
+        smollm2_dir,
+        f"data.path={questions}",
+        "data.prompt_field=question",
+        f"data.system_prompt='{SYSTEM}'",
+        "data.use_chat_template=auto",
+        "data.shuffle=false",
+        *overrides,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -58,8 +67,9 @@ def test_a_prompt_is_exactly_the_tokens_apply_chat_template_gives(real):
     batch = PromptSource(cfg.data, models.tokenizer).next_batch()
     for row, question in enumerate(QUESTIONS):
         messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": question}]
-        expected = models.tokenizer.apply_chat_template(messages, add_generation_prompt=True,
-                                                        tokenize=True, return_dict=False)
+        expected = models.tokenizer.apply_chat_template(
+            messages, add_generation_prompt=True, tokenize=True, return_dict=False
+        )
         kept = batch.attention_mask[row].bool()
         assert batch.input_ids[row][kept].tolist() == list(expected)
         assert not kept[-1:].logical_not().any()  # padded on the left: the prompt ends the row
@@ -85,8 +95,13 @@ def test_both_samplers_draw_from_the_same_distribution(smollm2_dir, tmp_path):
     # sampler at temperature 0.7 gets p = 7e-16 on the first token.
     prompt = tmp_path / "open.jsonl"
     prompt.write_text(json.dumps({"question": "Name an animal and say why you like it."}) + "\n")
-    overrides = (f"data.path={prompt}", "data.prompt_field=question", "data.system_prompt='Be brief.'",
-                 "data.use_chat_template=auto", "model.dtype=float32")
+    overrides = (
+        f"data.path={prompt}",
+        "data.prompt_field=question",
+        "data.system_prompt='Be brief.'",
+        "data.use_chat_template=auto",
+        "model.dtype=float32",
+    )
     samples = 300
     hf = token_counts(smollm2_dir, "hf", 1.0, samples, 1, *overrides)
     fast = token_counts(smollm2_dir, "fast", 1.0, samples, 2, *overrides)  # independent draws
@@ -124,8 +139,7 @@ def test_what_follows_im_end_is_masked_though_it_is_also_the_pad_token(smollm2_d
     # The same rollout twice (the same seed), the second with every token after the first
     # <|im_end|> replaced by other ids: the loss, the KL and every updated weight are the same,
     # so nothing after the end of a completion reaches the update, whatever the pad id is.
-    cfg = real_config(smollm2_dir, questions, "sampler.max_new_tokens=12", "trainer.beta=0.04",
-                      "optimizer.lr=1e-5")
+    cfg = real_config(smollm2_dir, questions, "sampler.max_new_tokens=12", "trainer.beta=0.04", "optimizer.lr=1e-5")
     seen = {}
 
     def scramble_after_the_end(rollout):
@@ -150,20 +164,35 @@ def test_what_follows_im_end_is_masked_though_it_is_also_the_pad_token(smollm2_d
 
 
 @pytest.mark.parametrize("mode", ["full", "lora", "qlora"])
-def test_each_mode_trains_and_its_checkpoint_loads_back_and_exports(smollm2_dir, questions,
-                                                                   tmp_path, mode):
-    overrides = {"full": [], "lora": ["model.lora.enabled=true", "model.lora.r=4"],
-                 "qlora": ["model.lora.enabled=true", "model.lora.r=4",
-                           "model.quantization=4bit"]}[mode]
+def test_each_mode_trains_and_its_checkpoint_loads_back_and_exports(smollm2_dir, questions, tmp_path, mode):
+    overrides = {
+        "full": [],
+        "lora": ["model.lora.enabled=true", "model.lora.r=4"],
+        "qlora": ["model.lora.enabled=true", "model.lora.r=4", "model.quantization=4bit"],
+    }[mode]
     run = tmp_path / "run"
-    grpo_train(f"hydra.run.dir={run}", f"model.name_or_path={smollm2_dir}", "model.dtype=float32",
-               f"data.path={questions}", "data.prompt_field=question", "data.eval_path=null",
-               "data.use_chat_template=auto",
-               f"data.system_prompt='{SYSTEM}'", "data.prompts_per_step=1", "sampler.group_size=4",
-               # hot enough that the 4 completions differ: the alternating reward's +A and -A
-               # would cancel on two equal ones (measured: at 1.0 they often do)
-               "sampler.temperature=1.5", "sampler.max_new_tokens=6", "trainer.steps=1", "trainer.checkpoint_every=1",
-               "optimizer.lr=1e-4", ALTERNATING_REWARD, *overrides, env={"PYTHONPATH": TESTS_DIR})
+    grpo_train(
+        f"hydra.run.dir={run}",
+        f"model.name_or_path={smollm2_dir}",
+        "model.dtype=float32",
+        f"data.path={questions}",
+        "data.prompt_field=question",
+        "data.eval_path=null",
+        "data.use_chat_template=auto",
+        f"data.system_prompt='{SYSTEM}'",
+        "data.prompts_per_step=1",
+        "sampler.group_size=4",
+        # hot enough that the 4 completions differ: the alternating reward's +A and -A
+        # would cancel on two equal ones (measured: at 1.0 they often do)
+        "sampler.temperature=1.5",
+        "sampler.max_new_tokens=6",
+        "trainer.steps=1",
+        "trainer.checkpoint_every=1",
+        "optimizer.lr=1e-4",
+        ALTERNATING_REWARD,
+        *overrides,
+        env={"PYTHONPATH": TESTS_DIR},
+    )
     checkpoint = run / "checkpoints" / "step-000001"
     ids = torch.tensor([[1, 9690, 198, 2683, 314, 216, 34, 1392, 216, 35, 47, 2]])
     base = AutoModelForCausalLM.from_pretrained(smollm2_dir, dtype=torch.float32)

@@ -63,8 +63,9 @@ def tiny_save_arguments(tiny_model_dir):
 def test_best_checkpoint_survives_rotation(tmp_path, tiny_model_dir):
     policy, tokenizer = tiny_save_arguments(tiny_model_dir)
     for step, reward in enumerate([0.2, 0.9, 0.1, 0.3], start=1):
-        save_checkpoint(tmp_path, step, policy, tokenizer, {"data": {}}, {"reward_mean": reward},
-                        keep_last=1, keep_best=1)
+        save_checkpoint(
+            tmp_path, step, policy, tokenizer, {"data": {}}, {"reward_mean": reward}, keep_last=1, keep_best=1
+        )
     assert [p.name for p in complete_checkpoints(tmp_path)] == ["step-000002", "step-000004"]
     assert best_checkpoint(tmp_path).name == "step-000002"
     assert latest_checkpoint(tmp_path).name == "step-000004"
@@ -146,9 +147,13 @@ KILLER = textwrap.dedent("""
 def test_kill_9_at_any_point_of_a_save_leaves_a_loadable_checkpoint(tmp_path, tiny_model_dir, point, nth):
     from transformers import AutoModelForCausalLM
 
-    result = subprocess.run([sys.executable, "-c", KILLER, str(tiny_model_dir), str(tmp_path), point, str(nth)],
-                            capture_output=True, text=True, timeout=300,
-                            env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    result = subprocess.run(
+        [sys.executable, "-c", KILLER, str(tiny_model_dir), str(tmp_path), point, str(nth)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "HF_HUB_OFFLINE": "1"},
+    )
     assert result.returncode == -signal.SIGKILL, result.stdout + result.stderr
     newest = latest_checkpoint(tmp_path)
     assert newest is not None and newest.name in ("step-000001", "step-000002")
@@ -174,9 +179,20 @@ def wait_for_rows(run_dir: Path, count: int, process: subprocess.Popen, limit_s:
 
 
 def start(run_dir: Path, steps: int, *overrides: str) -> subprocess.Popen:
-    return subprocess.Popen([GRPO_TRAIN, *QUICK, f"trainer.steps={steps}", "trainer.checkpoint_every=0",
-                             f"hydra.run.dir={run_dir}", *overrides], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    return subprocess.Popen(
+        [
+            GRPO_TRAIN,
+            *QUICK,
+            f"trainer.steps={steps}",
+            "trainer.checkpoint_every=0",
+            f"hydra.run.dir={run_dir}",
+            *overrides,
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "HF_HUB_OFFLINE": "1"},
+    )
 
 
 @pytest.mark.slow  # three real runs per signal
@@ -197,8 +213,13 @@ def test_a_stop_signal_checkpoints_the_step_and_resume_matches_an_unbroken_run(t
     assert f"Stopped by {signal.Signals(stop_signal).name} after step {stopped_at}" in output
     assert "trainer.resume=true" in output
     assert latest_checkpoint(run_dir).name == f"step-{stopped_at:06d}"
-    grpo_train(*QUICK, f"trainer.steps={steps}", "trainer.checkpoint_every=0", "trainer.resume=true",
-               f"hydra.run.dir={run_dir}")
+    grpo_train(
+        *QUICK,
+        f"trainer.steps={steps}",
+        "trainer.checkpoint_every=0",
+        "trainer.resume=true",
+        f"hydra.run.dir={run_dir}",
+    )
 
     assert computed_rows(read_metrics(run_dir)) == computed_rows(read_metrics(unbroken))
 
@@ -208,8 +229,14 @@ def test_a_second_sigint_stops_at_once(tmp_path, tiny_model_dir):
     # Long steps (256 completions of up to 64 tokens), so both signals land in the same step;
     # the pause lets the first one be handled before the second (pending signals merge).
     run_dir = tmp_path / "twice"
-    process = start(run_dir, 100, "data.prompts_per_step=32", "sampler.group_size=8",
-                    "sampler.max_new_tokens=64", "sampler.min_new_tokens=64")
+    process = start(
+        run_dir,
+        100,
+        "data.prompts_per_step=32",
+        "sampler.group_size=8",
+        "sampler.max_new_tokens=64",
+        "sampler.min_new_tokens=64",
+    )
     wait_for_rows(run_dir, 1, process)
     time.sleep(0.5)  # into step 2 (seconds long): a signal right at the end of step 1 would stop there
     process.send_signal(signal.SIGINT)

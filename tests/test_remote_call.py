@@ -22,10 +22,28 @@ def _across(value):
     return decode(json.loads(json.dumps(encode(value, _refuse))), handle=None)
 
 
-@pytest.mark.parametrize("value", [
-    None, True, 0, -7, 2**100, 1.5, "text", b"\x00\xff", 1 + 2j, [1, [2, [3]]], (1, "a"), (),
-    {1: "one", (2, 3): [4]}, {"a": {"b": None}}, {1, 2}, frozenset({"x"}), [(1,), {2: (3,)}],
-])
+@pytest.mark.parametrize(
+    "value",
+    [
+        None,
+        True,
+        0,
+        -7,
+        2**100,
+        1.5,
+        "text",
+        b"\x00\xff",
+        1 + 2j,
+        [1, [2, [3]]],
+        (1, "a"),
+        (),
+        {1: "one", (2, 3): [4]},
+        {"a": {"b": None}},
+        {1, 2},
+        frozenset({"x"}),
+        [(1,), {2: (3,)}],
+    ],
+)
 def test_plain_values_cross_as_themselves_with_their_types(value):
     back = _across(value)
     assert back == value
@@ -77,16 +95,19 @@ def test_the_solution_side_coerces_subclasses_and_numpy_to_plain_values():
     assert _as_plain(AlwaysEqual()) is None and _as_plain(len) is None
 
 
-@pytest.mark.parametrize("data", [
-    {"tuple": "ab"},  # a body of the wrong kind
-    {"set": [[1]]},  # an unhashable item
-    {"dict": [[1]]},  # not a pair
-    {"bytes": "zz"},
-    {"float": "1e400"},  # only nan, inf and -inf are tagged
-    {"complex": [1, 2]},  # parts must be floats
-    {"tuple": [], "set": []},  # two tags
-    {"object": 1},  # an unknown tag
-])
+@pytest.mark.parametrize(
+    "data",
+    [
+        {"tuple": "ab"},  # a body of the wrong kind
+        {"set": [[1]]},  # an unhashable item
+        {"dict": [[1]]},  # not a pair
+        {"bytes": "zz"},
+        {"float": "1e400"},  # only nan, inf and -inf are tagged
+        {"complex": [1, 2]},  # parts must be floats
+        {"tuple": [], "set": []},  # two tags
+        {"object": 1},  # an unknown tag
+    ],
+)
 def test_malformed_data_is_refused(data):
     with pytest.raises(WireError):
         decode(data, handle=None)
@@ -111,15 +132,18 @@ def test_a_handle_is_a_remote_that_compares_by_identity():
     assert bool(remote) and repr(remote) == "<the solution's Anything>"
 
 
-@pytest.mark.parametrize(("reply", "kind", "text"), [
-    (["ValueError", "bad n"], ValueError, "bad n"),
-    (["KeyError", "'k'"], KeyError, "'k'"),
-    (["MyOwnError", "boom"], RemoteError, "MyOwnError: boom"),
-    # StopIteration would end a map() or a generator of the tests early, silently: not rebuilt.
-    (["StopIteration", ""], RemoteError, "StopIteration: "),
-    (["SystemExit", "0"], RemoteError, "SystemExit: 0"),  # not an Exception: not rebuilt
-    (["print", "x"], RemoteError, "print: x"),  # a builtin, not an exception type
-])
+@pytest.mark.parametrize(
+    ("reply", "kind", "text"),
+    [
+        (["ValueError", "bad n"], ValueError, "bad n"),
+        (["KeyError", "'k'"], KeyError, "'k'"),
+        (["MyOwnError", "boom"], RemoteError, "MyOwnError: boom"),
+        # StopIteration would end a map() or a generator of the tests early, silently: not rebuilt.
+        (["StopIteration", ""], RemoteError, "StopIteration: "),
+        (["SystemExit", "0"], RemoteError, "SystemExit: 0"),  # not an Exception: not rebuilt
+        (["print", "x"], RemoteError, "print: x"),  # a builtin, not an exception type
+    ],
+)
 def test_the_solutions_exceptions_are_rebuilt_from_builtin_types_only(reply, kind, text):
     error = _rebuilt(reply)
     assert type(error) is kind and error.args == (text,)

@@ -29,12 +29,21 @@ def training_rows() -> list[dict]:
     Steps 3 and 4 are written twice, as after a resume: the first copies (reward 1.5) are stale."""
     rows: list[dict] = [{"step": 0, "eval/accuracy": 0.2}]
     for step in range(1, 21):
-        rows.append({
-            "step": step, "reward/mean": step / 20, "reward/exact_match/mean": step / 20,
-            "kl": None if step == 20 else step / 100, "beta": 0.04 if step <= 10 else 0.02,
-            "time/sample": 0.1, "time/reward": 0.02, "time/update": 0.3, "time/step": 0.42,
-            "tokens_per_second": 100.0 if step % 2 else 300.0, "sampler/group_size": 8,
-        })
+        rows.append(
+            {
+                "step": step,
+                "reward/mean": step / 20,
+                "reward/exact_match/mean": step / 20,
+                "kl": None if step == 20 else step / 100,
+                "beta": 0.04 if step <= 10 else 0.02,
+                "time/sample": 0.1,
+                "time/reward": 0.02,
+                "time/update": 0.3,
+                "time/step": 0.42,
+                "tokens_per_second": 100.0 if step % 2 else 300.0,
+                "sampler/group_size": 8,
+            }
+        )
         if step in (10, 20):
             rows[-1]["eval/accuracy"] = 0.6 if step == 10 else 0.5
     stale = [{**rows[3], "reward/mean": 1.5}, {**rows[4], "reward/mean": 1.5}]
@@ -63,13 +72,14 @@ def test_summary_of_a_resumed_run_by_hand():
     summary = summarize_run(clean_rows(training_rows()))
     assert (summary.last_step, summary.train_steps, summary.window) == (20, 20, 2)  # window: 20 // 10
     assert summary.reward_first == pytest.approx((0.05 + 0.10) / 2)  # steps 1, 2: 0.075
-    assert summary.reward_last == pytest.approx((0.95 + 1.00) / 2)   # steps 19, 20: 0.975
+    assert summary.reward_last == pytest.approx((0.95 + 1.00) / 2)  # steps 19, 20: 0.975
     assert (summary.reward_best, summary.reward_best_step) == (1.0, 20)  # the stale 1.5s are gone
     assert (summary.eval_before, summary.eval_final) == (0.2, 0.5)
     assert (summary.eval_best, summary.eval_best_step) == (0.6, 10)
     assert summary.kl_final == pytest.approx(0.19)  # step 20 logged null: step 19's
     assert summary.time_means == pytest.approx(
-        {"time/step": 0.42, "time/sample": 0.1, "time/reward": 0.02, "time/update": 0.3})
+        {"time/step": 0.42, "time/sample": 0.1, "time/reward": 0.02, "time/update": 0.3}
+    )
     assert summary.tokens_per_second == pytest.approx(200.0)  # ten steps at 100, ten at 300
     table = dict(summary_table(summary))
     assert table["mean reward, first -> last 2 steps"] == "0.075 -> 0.975"
@@ -100,9 +110,13 @@ def test_rolling_mean():
 
 
 def test_run_report_writes_report_md_and_readable_plots(tmp_path):
-    run = write_run(tmp_path / "run", training_rows(), ("trainer.steps=20",),
-                    config="model: {name_or_path: builtin:tiny-addition}\ntrainer: {steps: 20, beta: 0.04, "
-                           "advantage: grpo}\nsampler: {group_size: 8}\n")
+    run = write_run(
+        tmp_path / "run",
+        training_rows(),
+        ("trainer.steps=20",),
+        config="model: {name_or_path: builtin:tiny-addition}\ntrainer: {steps: 20, beta: 0.04, "
+        "advantage: grpo}\nsampler: {group_size: 8}\n",
+    )
     console = quiet()
     report(run, console)
     text = (run / "report.md").read_text()
@@ -121,8 +135,11 @@ def test_run_report_writes_report_md_and_readable_plots(tmp_path):
 
 
 def sweep_job(folder: Path, beta: str, group_size: str, rewards: tuple[float, float], eval_final: float) -> None:
-    rows = [{"step": 0, "eval/accuracy": 0.3}, {"step": 1, "reward/mean": rewards[0]},
-            {"step": 2, "reward/mean": rewards[1], "eval/accuracy": eval_final}]
+    rows = [
+        {"step": 0, "eval/accuracy": 0.3},
+        {"step": 1, "reward/mean": rewards[0]},
+        {"step": 2, "reward/mean": rewards[1], "eval/accuracy": eval_final},
+    ]
     write_run(folder, rows, (f"trainer.beta={beta}", f"sampler.group_size={group_size}", "trainer.steps=2"))
 
 
@@ -136,8 +153,9 @@ def sweep(tmp_path) -> Path:
     sweep_job(folder / "1", "0.01", "4", (0.3, 0.5), eval_final=0.7)
     sweep_job(folder / "2", "0.04", "2", (0.6, 0.1), eval_final=0.6)
     (folder / "3" / ".hydra").mkdir(parents=True)
-    (folder / "3" / ".hydra" / "overrides.yaml").write_text("- trainer.beta=0.04\n- sampler.group_size=4\n"
-                                                             "- trainer.steps=2\n")
+    (folder / "3" / ".hydra" / "overrides.yaml").write_text(
+        "- trainer.beta=0.04\n- sampler.group_size=4\n- trainer.steps=2\n"
+    )
     return folder
 
 
@@ -147,8 +165,17 @@ def test_sweep_table_sorted_by_eval_with_the_failed_job_last(sweep):
     with open(sweep / "sweep.csv") as handle:
         header, *rows = list(csv.reader(handle))
     # trainer.steps=2 is the same in every job: no column. Final reward: the last step (2 // 10 -> 1).
-    assert header == ["job", "trainer.beta", "sampler.group_size", "status", "final mean reward",
-                      "best mean reward", "final eval accuracy", "final KL", "mean step time (s)"]
+    assert header == [
+        "job",
+        "trainer.beta",
+        "sampler.group_size",
+        "status",
+        "final mean reward",
+        "best mean reward",
+        "final eval accuracy",
+        "final KL",
+        "mean step time (s)",
+    ]
     assert rows == [
         ["1", "0.01", "4", "ok", "0.5", "0.5", "0.7", "", ""],
         ["2", "0.04", "2", "ok", "0.1", "0.6", "0.6", "", ""],
@@ -169,14 +196,20 @@ def summary_row(job: str, eval_final: float | None = None, reward: float = 0.0, 
 
 
 def test_heatmap_cells_of_the_2x2_sweep_and_the_mean_over_a_third_key(sweep):
-    rows = [summary_row("0", 0.5, b="0.01", g="2"), summary_row("1", 0.7, b="0.01", g="4"),
-            summary_row("2", 0.6, b="0.04", g="2"), SweepRow("3", {"b": "0.04", "g": "4"}, None, "crashed")]
+    rows = [
+        summary_row("0", 0.5, b="0.01", g="2"),
+        summary_row("1", 0.7, b="0.01", g="4"),
+        summary_row("2", 0.6, b="0.04", g="2"),
+        SweepRow("3", {"b": "0.04", "g": "4"}, None, "crashed"),
+    ]
     grid = heatmap_grid(rows, "b", "g", "eval_final")
     assert (grid.x_values, grid.y_values) == (["0.01", "0.04"], ["2", "4"])
     assert grid.cells == [[0.5, 0.6], [0.7, None]]  # [g][b]; the crashed job leaves its cell empty
     # A third key (seed): each cell is the mean over it. (b 0.01, g 2): seeds 0.2 and 0.4 -> 0.3.
-    seeded = [summary_row(f"{i}", 0.2 * (i + 1), b=b, g=g, seed=s)
-              for i, (b, g, s) in enumerate([("0.01", "2", "0"), ("0.01", "2", "1"), ("0.01", "16", "0")])]
+    seeded = [
+        summary_row(f"{i}", 0.2 * (i + 1), b=b, g=g, seed=s)
+        for i, (b, g, s) in enumerate([("0.01", "2", "0"), ("0.01", "2", "1"), ("0.01", "16", "0")])
+    ]
     grid = heatmap_grid(seeded, "b", "g", "eval_final")
     assert grid.y_values == ["2", "16"]  # by number, not "16" < "2"
     assert grid.cells == [[pytest.approx(0.3)], [pytest.approx(0.6)]]
@@ -185,9 +218,15 @@ def test_heatmap_cells_of_the_2x2_sweep_and_the_mean_over_a_third_key(sweep):
 def test_three_swept_keys_say_which_key_the_heatmap_averages(tmp_path):
     folder = tmp_path / "sweep3"
     for job, (beta, seed) in enumerate([("0.01", "0"), ("0.01", "1"), ("0.04", "0"), ("0.04", "1")]):
-        write_run(folder / str(job), [{"step": 1, "reward/mean": 0.1 * job}],
-                  (f"trainer.beta={beta}", "sampler.group_size=2" if job % 2 else "sampler.group_size=4",
-                   f"trainer.seed={seed}"))
+        write_run(
+            folder / str(job),
+            [{"step": 1, "reward/mean": 0.1 * job}],
+            (
+                f"trainer.beta={beta}",
+                "sampler.group_size=2" if job % 2 else "sampler.group_size=4",
+                f"trainer.seed={seed}",
+            ),
+        )
     report(folder, quiet())
     text = (folder / "report.md").read_text()
     assert "Sorted by final mean reward" in text  # no job ran an eval
@@ -203,12 +242,15 @@ def test_without_eval_jobs_rank_by_final_reward():
     assert header[:2] == ["job", "status"]  # nothing swept: no override columns
 
 
-@pytest.mark.parametrize("case, named, said", [
-    ("missing", "nowhere", "does not exist"),
-    ("no_metrics", "empty_folder", "holds neither metrics.jsonl nor job folders"),
-    ("empty", "metrics.jsonl", "is empty"),
-    ("corrupt", "metrics.jsonl line 2", "is not a metrics row (not JSON"),
-])
+@pytest.mark.parametrize(
+    "case, named, said",
+    [
+        ("missing", "nowhere", "does not exist"),
+        ("no_metrics", "empty_folder", "holds neither metrics.jsonl nor job folders"),
+        ("empty", "metrics.jsonl", "is empty"),
+        ("corrupt", "metrics.jsonl line 2", "is not a metrics row (not JSON"),
+    ],
+)
 def test_bad_input_exits_2_naming_the_file(tmp_path, capsys, case, named, said):
     target = {"missing": tmp_path / "nowhere", "no_metrics": tmp_path / "empty_folder"}.get(case, tmp_path / "run")
     if case == "no_metrics":

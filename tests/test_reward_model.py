@@ -28,10 +28,17 @@ def _tiny_classifier(tokenizer, num_labels: int):
 
     torch.manual_seed(0)
     config = Qwen2Config(
-        vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-        num_labels=num_labels, pad_token_id=tokenizer.pad_token_id,
-        eos_token_id=tokenizer.eos_token_id, bos_token_id=None,
+        vocab_size=len(tokenizer),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        num_labels=num_labels,
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        bos_token_id=None,
     )
     model = Qwen2ForSequenceClassification(config)
     with torch.no_grad():  # random init gives scores ~0.1 apart; spread them so closeness means something
@@ -88,10 +95,19 @@ def padding_variants(tmp_path_factory, tokenizer, classifier, rm_dir) -> dict[st
     from transformers import GPT2Config, GPT2ForSequenceClassification
 
     torch.manual_seed(0)
-    gpt2 = GPT2ForSequenceClassification(GPT2Config(
-        vocab_size=len(tokenizer), n_embd=64, n_layer=2, n_head=4, n_positions=256, num_labels=1,
-        pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id, bos_token_id=None,
-    ))
+    gpt2 = GPT2ForSequenceClassification(
+        GPT2Config(
+            vocab_size=len(tokenizer),
+            n_embd=64,
+            n_layer=2,
+            n_head=4,
+            n_positions=256,
+            num_labels=1,
+            pad_token_id=tokenizer.pad_token_id,
+            eos_token_id=tokenizer.eos_token_id,
+            bos_token_id=None,
+        )
+    )
     mismatch = _tiny_classifier(tokenizer, num_labels=1)
     mismatch.config.pad_token_id = len(tokenizer) - 1  # a real token id, never produced by these texts
     folders = {"qwen2": rm_dir}

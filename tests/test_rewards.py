@@ -427,8 +427,9 @@ def test_a_function_failing_on_more_than_max_error_fraction_stops_the_run_naming
     strict = RewardScorer([{"_target_": target(returns_nan)}], max_error_fraction=0.2)
     with pytest.raises(RewardError, match=r"returns_nan failed on 1 of 4 completions.*max_error_fraction=0.2"):
         strict.score_texts(PROMPTS, ["a"] * 4, {"answer": ["x"] * 4}, SHAPE)
-    scorer = RewardScorer([{"_target_": "grpo_cli.rewards.exact_match"}, {"_target_": target(always_raises)}],
-                          max_error_fraction=0.5)
+    scorer = RewardScorer(
+        [{"_target_": "grpo_cli.rewards.exact_match"}, {"_target_": target(always_raises)}], max_error_fraction=0.5
+    )
     with pytest.raises(RewardError) as caught:
         scorer.score_texts(PROMPTS, ["a"] * 4, {"answer": ["x"] * 4}, SHAPE)
     message = str(caught.value)

@@ -30,8 +30,10 @@ def test_changing_the_final_number_of_each_gsm8k_solution_scores_0():
     rows = gsm8k_test_rows()
     solutions = [row["answer"] for row in rows]
     # "#### 18" -> "#### 19": the completion's final answer is now wrong.
-    changed = [re.sub(r"####\s*(-?[\d,]*\d)\s*$", lambda m: f"#### {int(m.group(1).replace(',', '')) + 1}", text)
-               for text in solutions]
+    changed = [
+        re.sub(r"####\s*(-?[\d,]*\d)\s*$", lambda m: f"#### {int(m.group(1).replace(',', '')) + 1}", text)
+        for text in solutions
+    ]
     assert all(new != old for new, old in zip(changed, solutions))
     scores = math_accuracy([row["question"] for row in rows], changed, answer=solutions)
     assert scores == [0.0] * len(rows)
@@ -54,8 +56,12 @@ def test_format_reward_default_layout(completion, expected):
 
 
 def test_format_reward_custom_tags_bonus_and_pattern():
-    assert format_reward(["", ""], ["<reasoning>a</reasoning><final>b</final>", "<final>b</final>"],
-                         tags=["reasoning", "final"], bonus=1.0) == [1.0, 0.0]
+    assert format_reward(
+        ["", ""],
+        ["<reasoning>a</reasoning><final>b</final>", "<final>b</final>"],
+        tags=["reasoning", "final"],
+        bonus=1.0,
+    ) == [1.0, 0.0]
     assert format_reward(["", ""], ["Answer: 42", "answer 42"], pattern=r"Answer: \d+") == [0.5, 0.0]
 
 

@@ -58,8 +58,19 @@ def test_sandbox_reports_what_applied(contained):
     # installed just before the program starts.
     candidates = {"/root", pwd.getpwuid(os.getuid()).pw_dir, "/run", "/var/run"}
     hidden = sorted({os.path.realpath(path) for path in candidates if os.path.isdir(path)})
-    applied = [*user_namespace, "mountns", "netns", "pidns", "ipcns", "readonly-root", "fresh-tmpfs",
-               *(f"hidden:{folder}" for folder in hidden), *uid_drop, "rlimits", "seccomp"]
+    applied = [
+        *user_namespace,
+        "mountns",
+        "netns",
+        "pidns",
+        "ipcns",
+        "readonly-root",
+        "fresh-tmpfs",
+        *(f"hidden:{folder}" for folder in hidden),
+        *uid_drop,
+        "rlimits",
+        "seccomp",
+    ]
     assert result.isolation == ",".join(applied)
 
 
@@ -99,8 +110,7 @@ def test_early_exit_does_not_pass_the_tests(contained):
 
 def test_parallel_workers_match_one_worker(contained):
     completions = [ADD, WRONG_ADD, "def add(a, b) oops", ADD]
-    tests = ["assert add(1, 1) == 2", ["assert add(1, 0) == 1", "assert add(1, 1) == 2"],
-             "assert add(1, 1) == 2", None]
+    tests = ["assert add(1, 1) == 2", ["assert add(1, 0) == 1", "assert add(1, 1) == 2"], "assert add(1, 1) == 2", None]
     sequential = code_execution(["p"] * 4, completions, tests=tests, workers=1)
     assert sequential == [1.0, 0.5, 0.0, None]
     assert code_execution(["p"] * 4, completions, tests=tests, workers=4) == sequential
@@ -108,10 +118,13 @@ def test_parallel_workers_match_one_worker(contained):
 
 def test_infinite_loop_times_out_with_the_penalty(contained):
     started = time.monotonic()
-    rewards = code_execution(["p"] * 3, ["while True:\n    pass\n", "import time\ntime.sleep(60)",
-                                         ADD + "while True: pass\n"],
-                             tests=["assert True", ["pass", "pass"], ["pass"]], timeout=1.0,
-                             timeout_penalty=-0.1)
+    rewards = code_execution(
+        ["p"] * 3,
+        ["while True:\n    pass\n", "import time\ntime.sleep(60)", ADD + "while True: pass\n"],
+        tests=["assert True", ["pass", "pass"], ["pass"]],
+        timeout=1.0,
+        timeout_penalty=-0.1,
+    )
     assert rewards == [-0.1, -0.1, -0.1]
     # 4 runs of 1 s on 4 workers, plus start-up: far below the 60 s sleep, under any load
     assert time.monotonic() - started < 15
@@ -144,8 +157,9 @@ def test_writes_outside_the_temp_dir_do_not_survive(contained, isolation):
     _require(isolation, "mountns", "fresh-tmpfs")
     name = f"grpo-sandbox-escape-{uuid.uuid4().hex}"
     targets = [Path("/tmp") / name, Path("/var/tmp") / name, PROJECT_ROOT / name]
-    program = "".join(f"try:\n    open({str(t)!r}, 'w').write('x')\nexcept OSError as e:\n"
-                      f"    print('blocked', e)\n" for t in targets)
+    program = "".join(
+        f"try:\n    open({str(t)!r}, 'w').write('x')\nexcept OSError as e:\n    print('blocked', e)\n" for t in targets
+    )
     result = run_sandboxed(program, timeout=5)
     assert result.exit_code == 0
     assert [t for t in targets if t.exists()] == []
@@ -174,8 +188,10 @@ def test_network_is_unreachable(contained, use_namespaces):
     listener.listen(1)
     listener.settimeout(0.3)
     port = listener.getsockname()[1]
-    program = (f"import socket\ntry:\n    socket.create_connection(('127.0.0.1', {port}), 2)\n"
-               f"    print('connected')\nexcept OSError as error:\n    print('blocked', error)\n")
+    program = (
+        f"import socket\ntry:\n    socket.create_connection(('127.0.0.1', {port}), 2)\n"
+        f"    print('connected')\nexcept OSError as error:\n    print('blocked', error)\n"
+    )
     try:
         result = run_sandboxed(program, timeout=5, use_namespaces=use_namespaces)
         assert result.stdout.startswith("blocked"), result.stdout + result.stderr
@@ -186,8 +202,9 @@ def test_network_is_unreachable(contained, use_namespaces):
 
 
 @pytest.mark.parametrize("use_namespaces", [True, False])
-@pytest.mark.parametrize("attack", ["os.kill(os.getppid(), signal.SIGKILL)",
-                                    "os.killpg(os.getpgid(os.getppid()), signal.SIGKILL)"])
+@pytest.mark.parametrize(
+    "attack", ["os.kill(os.getppid(), signal.SIGKILL)", "os.killpg(os.getpgid(os.getppid()), signal.SIGKILL)"]
+)
 def test_killing_its_parent_leaves_the_trainer_alive(contained, attack, use_namespaces):
     code = f"import os, signal\n{attack}\n"
     result = run_sandboxed(code, timeout=5, use_namespaces=use_namespaces)
@@ -200,8 +217,9 @@ def test_killing_its_parent_leaves_the_trainer_alive(contained, attack, use_name
 def test_printing_100_mb_is_truncated(contained):
     peak_before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB
     started = time.monotonic()
-    result = run_sandboxed("import sys\nfor _ in range(100):\n    sys.stdout.write('x' * 2**20)",
-                           timeout=10, max_output_bytes=64_000)
+    result = run_sandboxed(
+        "import sys\nfor _ in range(100):\n    sys.stdout.write('x' * 2**20)", timeout=10, max_output_bytes=64_000
+    )
     assert time.monotonic() - started < 10
     assert result.truncated and len(result.stdout) == 64_000
     peak_after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
@@ -213,8 +231,10 @@ def test_no_grandchild_survives(contained, new_session, isolation):
     if new_session and "uid=" not in isolation:  # escapes the process group; found by uid or pidns
         _require(isolation, "pidns")
     seconds = f"{1000 + os.getpid() % 1000}.{uuid.uuid4().int % 10**6}"  # unique to this test
-    code = (f"import subprocess\nsubprocess.Popen(['sleep', '{seconds}'], "
-            f"start_new_session={new_session})\nprint('spawned')\n")
+    code = (
+        f"import subprocess\nsubprocess.Popen(['sleep', '{seconds}'], "
+        f"start_new_session={new_session})\nprint('spawned')\n"
+    )
     result = run_sandboxed(code, timeout=5)
     assert result.stdout == "spawned\n"
     assert [pid for pid, info in live_processes().items() if f"sleep {seconds}" in info[2]] == []
@@ -325,8 +345,10 @@ CLONE_NEWUSER, SIGCHLD = 0x10000000, 17
 NAMESPACE_ATTACKS = {
     "unshare": ("libc.unshare(0x10000000)", "EPERM"),
     "clone": (f"libc.syscall(56, {CLONE_NEWUSER | SIGCHLD}, 0, 0, 0, 0)", "EPERM"),
-    "clone3": (f"libc.syscall(435, struct.pack('=11Q', {CLONE_NEWUSER}, 0, 0, 0, {SIGCHLD}, "
-               f"*[0] * 6), 88)", "ENOSYS"),  # ENOSYS: glibc then falls back to clone
+    "clone3": (
+        f"libc.syscall(435, struct.pack('=11Q', {CLONE_NEWUSER}, 0, 0, 0, {SIGCHLD}, *[0] * 6), 88)",
+        "ENOSYS",
+    ),  # ENOSYS: glibc then falls back to clone
     "ptrace": ("libc.ptrace(0, 0, 0, 0)", "EPERM"),  # PTRACE_TRACEME
 }
 
@@ -335,9 +357,11 @@ NAMESPACE_ATTACKS = {
 def test_namespace_and_ptrace_calls_are_denied(contained, attack):
     _seccomp_expected()
     call, expected = NAMESPACE_ATTACKS[attack]
-    program = ("import ctypes, errno, struct\nlibc = ctypes.CDLL(None, use_errno=True)\n"
-               f"result = {call}\n"
-               "print(errno.errorcode[ctypes.get_errno()] if result < 0 else 'succeeded')\n")
+    program = (
+        "import ctypes, errno, struct\nlibc = ctypes.CDLL(None, use_errno=True)\n"
+        f"result = {call}\n"
+        "print(errno.errorcode[ctypes.get_errno()] if result < 0 else 'succeeded')\n"
+    )
     result = run_sandboxed(program, timeout=5)
     assert result.stdout == f"{expected}\n", result.stdout + result.stderr
 

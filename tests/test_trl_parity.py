@@ -100,8 +100,13 @@ def _perturb(model: torch.nn.Module, noise: float) -> list[str]:
 # vocab 49152, pad == eos, 30 layers; fetched once per checkout, so slow). Its weights get a tenth
 # of the tiny model's noise: 0.02 is about the size of its own weights and would leave no model.
 NOISE = {"tiny": 0.02, "smollm2": 0.002}
-PROMPTS = {"tiny": (), "smollm2": ("data.use_chat_template=auto",
-                                   "data.system_prompt='You are a calculator. Reply with the number only.'")}
+PROMPTS = {
+    "tiny": (),
+    "smollm2": (
+        "data.use_chat_template=auto",
+        "data.system_prompt='You are a calculator. Reply with the number only.'",
+    ),
+}
 
 
 @pytest.fixture(scope="module")
@@ -136,7 +141,7 @@ def rollout_and_advantages(model):
     ids = rollout.completion_ids.clone()
     ids[ids == eos] = eos + 1  # no accidental EOS: the lengths below are the only ones
     for row, length in {0: 1, 2: 2, 5: 3, 6: 1}.items():  # EOS is the last token of these
-        ids[row, length - 1:] = eos  # the sampler pads with EOS after a completion's end
+        ids[row, length - 1 :] = eos  # the sampler pads with EOS after a completion's end
     mask, truncated = completion_mask(ids, eos)
     rollout = dataclasses.replace(rollout, completion_ids=ids, completion_mask=mask, truncated=truncated)
     assert rollout.completion_ids.shape == (2 * GROUP, NEW_TOKENS)
@@ -156,31 +161,49 @@ def _ours(model, rollout, advantages, aggregation: str, micro_batch_size: int):
 
     name, model_dir = model
     cfg = config(
-        model_dir, f"trainer.beta={BETA}", f"trainer.loss_aggregation={aggregation}",
-        f"trainer.micro_batch_size={micro_batch_size}", "trainer.kl_importance_correction=false",
-        "trainer.clip_eps=0.2", "model.dtype=float32", "optimizer.max_grad_norm=0",
+        model_dir,
+        f"trainer.beta={BETA}",
+        f"trainer.loss_aggregation={aggregation}",
+        f"trainer.micro_batch_size={micro_batch_size}",
+        "trainer.kl_importance_correction=false",
+        "trainer.clip_eps=0.2",
+        "model.dtype=float32",
+        "optimizer.max_grad_norm=0",
     )
     models = load_models(cfg.model, BETA, torch.device("cpu"))
     names = _perturb(models.policy, NOISE[name])
     parameters = trainable_parameters(models.policy)
     optimizer = make_optimizer(cfg.optimizer, parameters)
     scheduler = make_scheduler(cfg.optimizer, optimizer, cfg.trainer.num_iterations)
-    stats = update_policy(models, rollout, advantages, optimizer, scheduler, cfg.trainer,
-                          cfg.optimizer.max_grad_norm, beta=BETA)
+    stats = update_policy(
+        models, rollout, advantages, optimizer, scheduler, cfg.trainer, cfg.optimizer.max_grad_norm, beta=BETA
+    )
     return stats, names
 
 
 def _theirs(baseline, model, tmp_path, rollout, advantages, loss_type: str, micro_batch_size: int):
     name, model_dir = model
     trainer = baseline.make_trl_trainer(
-        str(model_dir), sorted(set(rollout.prompts)), lambda prompts, completions, **kwargs: [0.0] * len(prompts),
-        group_size=GROUP, prompts_per_step=2, max_new_tokens=NEW_TOKENS, beta=BETA, loss_type=loss_type,
-        temperature=rollout.temperature, output_dir=str(tmp_path), micro_batch_size=micro_batch_size,
+        str(model_dir),
+        sorted(set(rollout.prompts)),
+        lambda prompts, completions, **kwargs: [0.0] * len(prompts),
+        group_size=GROUP,
+        prompts_per_step=2,
+        max_new_tokens=NEW_TOKENS,
+        beta=BETA,
+        loss_type=loss_type,
+        temperature=rollout.temperature,
+        output_dir=str(tmp_path),
+        micro_batch_size=micro_batch_size,
     )
     assert trainer.ref_model is not None and next(trainer.model.parameters()).dtype == torch.float32
     names = _perturb(trainer.model, NOISE[name])
     loss, grad_norm = baseline.trl_loss_and_grad_norm(
-        trainer, rollout.prompt_ids, rollout.prompt_mask, rollout.completion_ids, rollout.completion_mask,
+        trainer,
+        rollout.prompt_ids,
+        rollout.prompt_mask,
+        rollout.completion_ids,
+        rollout.completion_mask,
         advantages.values,
     )
     return loss, grad_norm, names
@@ -204,22 +227,24 @@ REAL_MODEL_CASES = [CASES[1], CASES[2], CASES[3], CASES[4]]
     + [pytest.param("smollm2", *case, marks=pytest.mark.slow) for case in REAL_MODEL_CASES],
     indirect=["model"],
 )
-def test_loss_and_gradient_equal_trl(baseline, model, tmp_path, rollout_and_advantages,
-                                     aggregation, loss_type, temperature, micro_batch_size):
+def test_loss_and_gradient_equal_trl(
+    baseline, model, tmp_path, rollout_and_advantages, aggregation, loss_type, temperature, micro_batch_size
+):
     rollout, advantages = rollout_and_advantages
     rollout = dataclasses.replace(rollout, temperature=temperature)
     stats, our_names = _ours(model, rollout, advantages, aggregation, micro_batch_size)
-    loss, grad_norm, their_names = _theirs(baseline, model, tmp_path, rollout, advantages,
-                                           loss_type, micro_batch_size)
+    loss, grad_norm, their_names = _theirs(baseline, model, tmp_path, rollout, advantages, loss_type, micro_batch_size)
     assert our_names == their_names  # the same weights were perturbed the same way
     assert stats.kl > 1e-3  # the KL term (and its gradient) is really in the comparison
 
     loss_error = abs(stats.loss - loss)
     loss_bound = loss_tolerance(advantages.values, stats.kl)
     norm_error = abs(stats.grad_norm - grad_norm) / grad_norm
-    print(f"{model[0]} {aggregation}/{loss_type} T={temperature} micro={micro_batch_size}: loss ours {stats.loss:.9g} "
-          f"TRL {loss:.9g} (abs {loss_error:.1e}, bound {loss_bound:.1e}); grad norm ours {stats.grad_norm:.9g} "
-          f"TRL {grad_norm:.9g} (rel {norm_error:.1e})")
+    print(
+        f"{model[0]} {aggregation}/{loss_type} T={temperature} micro={micro_batch_size}: loss ours {stats.loss:.9g} "
+        f"TRL {loss:.9g} (abs {loss_error:.1e}, bound {loss_bound:.1e}); grad norm ours {stats.grad_norm:.9g} "
+        f"TRL {grad_norm:.9g} (rel {norm_error:.1e})"
+    )
     assert loss_error < loss_bound
     assert norm_error < RTOL[model[0]]
 
@@ -242,9 +267,13 @@ def test_time_trl_steps_includes_generation(baseline, tiny_model_dir, tmp_path):
     """One TRL step on the tiny model (2 prompts x G = 4, 8 new tokens): one positive time, and
     the generation (inside TRL's training_step) lies within the timed bracket."""
     trainer = baseline.make_trl_trainer(
-        str(tiny_model_dir), ["Question: what is 3 + 4? Answer:", "Question: what is 1 + 2? Answer:"],
+        str(tiny_model_dir),
+        ["Question: what is 3 + 4? Answer:", "Question: what is 1 + 2? Answer:"],
         lambda prompts, completions, **kwargs: [float(len(text) % 2) for text in completions],
-        group_size=GROUP, prompts_per_step=2, max_new_tokens=8, output_dir=str(tmp_path),
+        group_size=GROUP,
+        prompts_per_step=2,
+        max_new_tokens=8,
+        output_dir=str(tmp_path),
     )
     generations: list[tuple[float, float, torch.Size]] = []
     generate = trainer._generate_and_score_completions
@@ -261,7 +290,7 @@ def test_time_trl_steps_includes_generation(baseline, tiny_model_dir, tmp_path):
 
     assert len(seconds) == 1 and seconds[0] > 0 and math.isfinite(seconds[0])
     assert trainer.state.global_step == 1
-    (begin, end), = timer.intervals
-    (gen_begin, gen_end, shape), = generations
+    ((begin, end),) = timer.intervals
+    ((gen_begin, gen_end, shape),) = generations
     assert begin <= gen_begin and gen_end <= end
     assert shape == (2 * GROUP, 8)  # min_new_tokens: every completion is max_new_tokens long

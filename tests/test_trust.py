@@ -55,8 +55,15 @@ class RunsACommand:
 def one_step_run(tmp_path_factory, tiny_model_dir):
     """A 1-step run with its checkpoint: what a hostile file is put into."""
     folder = tmp_path_factory.mktemp("run")
-    run(config(tiny_model_dir, "trainer.steps=1", "trainer.checkpoint_every=1", "data.eval_size=0",
-               f"trainer.output_dir={folder}"))
+    run(
+        config(
+            tiny_model_dir,
+            "trainer.steps=1",
+            "trainer.checkpoint_every=1",
+            "data.eval_size=0",
+            f"trainer.output_dir={folder}",
+        )
+    )
     return folder
 
 
@@ -67,8 +74,9 @@ def test_the_trainer_state_a_run_writes_loads_weights_only(one_step_run):
     assert load_trainer_state(checkpoint)["data"] == state["data"]
 
 
-def test_resuming_a_checkpoint_whose_state_runs_code_refuses_it_and_runs_nothing(one_step_run, tmp_path,
-                                                                              tiny_model_dir):
+def test_resuming_a_checkpoint_whose_state_runs_code_refuses_it_and_runs_nothing(
+    one_step_run, tmp_path, tiny_model_dir
+):
     hostile = tmp_path / "hostile"
     (hostile / "checkpoints").mkdir(parents=True)
     checkpoint = hostile / "checkpoints" / "step-000001"
@@ -77,8 +85,15 @@ def test_resuming_a_checkpoint_whose_state_runs_code_refuses_it_and_runs_nothing
     state = torch.load(checkpoint / STATE_FILE, map_location="cpu", weights_only=True)
     torch.save({**state, "data": RunsACommand(f"touch {marker}")}, checkpoint / STATE_FILE)
 
-    message = input_error("grpo-train", f"model.name_or_path={tiny_model_dir}", "trainer.steps=2",
-                          "data.eval_size=0", "trainer.resume=true", f"hydra.run.dir={hostile}", cwd=tmp_path)
+    message = input_error(
+        "grpo-train",
+        f"model.name_or_path={tiny_model_dir}",
+        "trainer.steps=2",
+        "data.eval_size=0",
+        "trainer.resume=true",
+        f"hydra.run.dir={hostile}",
+        cwd=tmp_path,
+    )
     assert not marker.exists()
     assert f"{checkpoint / STATE_FILE} holds a posix.system, not only tensors and plain values" in message
     assert "It was not loaded. Resume only from checkpoints a grpo-cli run wrote." in message
@@ -101,19 +116,22 @@ def test_a_checkpoint_of_an_older_grpo_cli_still_resumes(one_step_run, tmp_path)
 # ---------------------------------------------------------------- non-finite settings and weights
 
 
-@pytest.mark.parametrize("override,expected", [
-    ("optimizer.lr=inf", "optimizer.lr=inf must be a finite number."),
-    ("optimizer.lr=nan", "optimizer.lr=nan must be a finite number."),
-    ("optimizer.weight_decay=nan", "optimizer.weight_decay=nan must be a finite number."),
-    ("optimizer.weight_decay=-0.1", "optimizer.weight_decay=-0.1 must be >= 0"),
-    ("optimizer.betas=[2,2]", "optimizer.betas=[2.0, 2.0] must be two numbers in [0, 1)"),
-    ("sampler.temperature=inf", "sampler.temperature=inf must be a finite number."),
-    ("trainer.std_eps=inf", "trainer.std_eps=inf must be a finite number."),
-    ("trainer.memory_budget_gb=nan", "trainer.memory_budget_gb=nan must be a finite number."),
-    ("trainer.seed=-1", "trainer.seed=-1 must be in [0, 2^32)"),
-    ("trainer.log_every=0", "trainer.log_every=0 must be at least 1"),
-    ("reward.timeout_s=-1", "reward.timeout_s=-1.0 must be >= 0"),
-])
+@pytest.mark.parametrize(
+    "override,expected",
+    [
+        ("optimizer.lr=inf", "optimizer.lr=inf must be a finite number."),
+        ("optimizer.lr=nan", "optimizer.lr=nan must be a finite number."),
+        ("optimizer.weight_decay=nan", "optimizer.weight_decay=nan must be a finite number."),
+        ("optimizer.weight_decay=-0.1", "optimizer.weight_decay=-0.1 must be >= 0"),
+        ("optimizer.betas=[2,2]", "optimizer.betas=[2.0, 2.0] must be two numbers in [0, 1)"),
+        ("sampler.temperature=inf", "sampler.temperature=inf must be a finite number."),
+        ("trainer.std_eps=inf", "trainer.std_eps=inf must be a finite number."),
+        ("trainer.memory_budget_gb=nan", "trainer.memory_budget_gb=nan must be a finite number."),
+        ("trainer.seed=-1", "trainer.seed=-1 must be in [0, 2^32)"),
+        ("trainer.log_every=0", "trainer.log_every=0 must be at least 1"),
+        ("reward.timeout_s=-1", "reward.timeout_s=-1.0 must be >= 0"),
+    ],
+)
 def test_non_finite_and_out_of_range_settings_are_refused(tiny_model_dir, override, expected):
     # Before: lr=inf passed, turned every weight into NaN and exited 0; seed=-1 and log_every=0
     # crashed with a traceback; the others trained nothing, silently.
@@ -136,7 +154,9 @@ def test_weights_that_hold_nan_are_never_saved_and_the_good_checkpoints_stay(tmp
         save_checkpoint(tmp_path, 2, models.policy, models.tokenizer, {}, {"reward_mean": 0.9}, keep_last=1)
     assert "The policy's weights hold NaN or inf at step 2 (model.embed_tokens.weight)" in str(error.value)
     assert f"the newest checkpoint, {tmp_path / 'checkpoints' / 'step-000001'}, is kept" in str(error.value)
-    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step-000001"]  # keep_last=1 deleted nothing
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == [
+        "step-000001"
+    ]  # keep_last=1 deleted nothing
 
 
 @pytest.mark.slow  # a grpo-train run in a child process: make test runs it
@@ -147,8 +167,15 @@ def test_resuming_a_checkpoint_whose_weights_hold_nan_is_refused(one_step_run, t
     weights = load_file(weights_file)
     weights["model.norm.weight"][0] = math.nan
     save_file(weights, weights_file, metadata={"format": "pt"})
-    message = input_error("grpo-train", f"model.name_or_path={tiny_model_dir}", "trainer.steps=2",
-                          "data.eval_size=0", "trainer.resume=true", f"hydra.run.dir={run_dir}", cwd=tmp_path)
+    message = input_error(
+        "grpo-train",
+        f"model.name_or_path={tiny_model_dir}",
+        "trainer.steps=2",
+        "data.eval_size=0",
+        "trainer.resume=true",
+        f"hydra.run.dir={run_dir}",
+        cwd=tmp_path,
+    )
     assert "holds NaN or inf weights (model.norm.weight); a run cannot continue from it." in message
 
 
@@ -178,8 +205,14 @@ def counts_edited(prompts, completions, **_):
 
 def test_a_reward_that_calls_sys_exit_stops_the_run_with_its_name(tmp_path):
     # Before: exit code 0, no message, no checkpoint (and in a -m sweep no later job ran).
-    message = input_error("grpo-train", "reward.functions=[{_target_: test_trust.exits, weight: 1.0}]",
-                          "trainer.steps=2", "data.eval_size=0", cwd=tmp_path, env={"PYTHONPATH": TESTS_DIR})
+    message = input_error(
+        "grpo-train",
+        "reward.functions=[{_target_: test_trust.exits, weight: 1.0}]",
+        "trainer.steps=2",
+        "data.eval_size=0",
+        cwd=tmp_path,
+        env={"PYTHONPATH": TESTS_DIR},
+    )
     assert "Reward function exits failed on 128 of 128 completions" in message
     assert "the first failure: raised SystemExit: 3." in message
 
@@ -187,9 +220,15 @@ def test_a_reward_that_calls_sys_exit_stops_the_run_with_its_name(tmp_path):
 @pytest.mark.slow  # a grpo-train run in a child process: make test runs it
 def test_a_reward_that_hangs_is_cut_off_at_its_timeout(tmp_path):
     started = time.monotonic()
-    message = input_error("grpo-train", "reward.functions=[{_target_: test_trust.hangs, weight: 1.0}]",
-                          "reward.timeout_s=1", "trainer.steps=2", "data.eval_size=0", cwd=tmp_path,
-                          env={"PYTHONPATH": TESTS_DIR})
+    message = input_error(
+        "grpo-train",
+        "reward.functions=[{_target_: test_trust.hangs, weight: 1.0}]",
+        "reward.timeout_s=1",
+        "trainer.steps=2",
+        "data.eval_size=0",
+        cwd=tmp_path,
+        env={"PYTHONPATH": TESTS_DIR},
+    )
     assert time.monotonic() - started < 120  # one second of the hang, not an hour
     assert "Reward function hangs failed on 128 of 128 completions" in message
     assert "the first failure: ran longer than reward.timeout_s=1 s on 128 completions." in message
@@ -198,8 +237,11 @@ def test_a_reward_that_hangs_is_cut_off_at_its_timeout(tmp_path):
 def test_a_reward_that_returns_a_dict_loses_its_scores_instead_of_scoring_the_keys():
     function = build_reward_functions([{"_target_": "test_trust.as_dict"}])[0]
     result = call_reward(function, ["p", "p"], ["a", "b"], {})
-    assert result == ([None, None], 2, "returned a dict; a reward function returns a list of one number "
-                                        "(or None) per completion")
+    assert result == (
+        [None, None],
+        2,
+        "returned a dict; a reward function returns a list of one number (or None) per completion",
+    )
 
 
 def test_a_reward_that_edits_the_completions_does_not_change_what_the_next_one_scores():
@@ -220,19 +262,28 @@ def test_a_full_disk_at_a_checkpoint_keeps_the_last_complete_one_and_says_so(tmp
     # the run with a traceback and leave .partial-step-000002 filling the disk.
     disk = tmp_path / "disk"
     disk.mkdir()
-    script = (f"mount -t tmpfs -o size=12m tmpfs {disk} || exit 97\n"
-              f"{GRPO_TRAIN} trainer.steps=2 trainer.checkpoint_every=1 data.eval_size=0 "
-              f"hydra.run.dir={disk}/run 2>{disk}/stderr\n"
-              f'echo "exit $?"; ls -a {disk}/run/checkpoints; cat {disk}/stderr\n')
-    result = subprocess.run(["unshare", "--map-root-user", "--mount", "sh", "-c", script], capture_output=True,
-                            text=True, timeout=600, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    script = (
+        f"mount -t tmpfs -o size=12m tmpfs {disk} || exit 97\n"
+        f"{GRPO_TRAIN} trainer.steps=2 trainer.checkpoint_every=1 data.eval_size=0 "
+        f"hydra.run.dir={disk}/run 2>{disk}/stderr\n"
+        f'echo "exit $?"; ls -a {disk}/run/checkpoints; cat {disk}/stderr\n'
+    )
+    result = subprocess.run(
+        ["unshare", "--map-root-user", "--mount", "sh", "-c", script],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**os.environ, "HF_HUB_OFFLINE": "1"},
+    )
     assert result.returncode == 0, result.stderr  # 97: this machine lets no test mount a small disk
     output = " ".join(result.stdout.split())
     assert "exit 2" in output and "Traceback" not in output, output[-3000:]
     assert ". .. step-000001 " in output  # no .partial-step-000002 left
     run = disk / "run" / "checkpoints"
-    assert (f"Could not write checkpoint {run / 'step-000002'}: No space left on device. The partial copy "
-            f"was removed and the newest complete checkpoint, {run / 'step-000001'}, is intact.") in output
+    assert (
+        f"Could not write checkpoint {run / 'step-000002'}: No space left on device. The partial copy "
+        f"was removed and the newest complete checkpoint, {run / 'step-000001'}, is intact."
+    ) in output
 
 
 # ---------------------------------------------------------------- two runs in one folder
@@ -278,8 +329,16 @@ def test_the_lock_goes_with_its_run_even_after_kill_9(tmp_path):
 @pytest.fixture(scope="module")
 def two_checkpoints(tmp_path_factory, tiny_model_dir):
     folder = tmp_path_factory.mktemp("two")
-    run(config(tiny_model_dir, "trainer.steps=2", "trainer.checkpoint_every=1", "trainer.keep_last=2",
-               "data.eval_size=0", f"trainer.output_dir={folder}"))
+    run(
+        config(
+            tiny_model_dir,
+            "trainer.steps=2",
+            "trainer.checkpoint_every=1",
+            "trainer.keep_last=2",
+            "data.eval_size=0",
+            f"trainer.output_dir={folder}",
+        )
+    )
     return folder
 
 
@@ -289,19 +348,26 @@ def cut_in_half(path):
 
 
 DAMAGES = {  # how a checkpoint is damaged -> what the run says of it (how it starts)
-    "cut-off weights": (lambda c: cut_in_half(c / "model.safetensors"),
-                        "model.safetensors is cut off or damaged (Error while deserializing header: incomplete "
-                        "metadata, file not fully covered)"),
-    "garbage trainer state": (lambda c: (c / STATE_FILE).write_bytes(b"not a checkpoint" * 8),
-                              "trainer_state.pt cannot be read: it is cut off, or not a file torch.save wrote"),
-    "no config.json": (lambda c: (c / "config.json").unlink(),
-                       "it has no config.json (nor adapter_config.json): no model can be loaded from it"),
+    "cut-off weights": (
+        lambda c: cut_in_half(c / "model.safetensors"),
+        "model.safetensors is cut off or damaged (Error while deserializing header: incomplete "
+        "metadata, file not fully covered)",
+    ),
+    "garbage trainer state": (
+        lambda c: (c / STATE_FILE).write_bytes(b"not a checkpoint" * 8),
+        "trainer_state.pt cannot be read: it is cut off, or not a file torch.save wrote",
+    ),
+    "no config.json": (
+        lambda c: (c / "config.json").unlink(),
+        "it has no config.json (nor adapter_config.json): no model can be loaded from it",
+    ),
 }
 
 
 @pytest.mark.parametrize("damage", list(DAMAGES))
-def test_resume_passes_over_a_damaged_newest_checkpoint_saying_so(two_checkpoints, tmp_path, tiny_model_dir,
-                                                                  capsys, damage):
+def test_resume_passes_over_a_damaged_newest_checkpoint_saying_so(
+    two_checkpoints, tmp_path, tiny_model_dir, capsys, damage
+):
     # Before: each crashed the resumed run with a traceback.
     folder = tmp_path / "run"
     shutil.copytree(two_checkpoints, folder)
@@ -312,8 +378,17 @@ def test_resume_passes_over_a_damaged_newest_checkpoint_saying_so(two_checkpoint
         validate(config(tiny_model_dir, f"trainer.resume={damaged}", f"trainer.output_dir={folder}"))
     assert f"trainer.resume={damaged}: the checkpoint cannot be resumed: {reason}" in str(error.value)
 
-    result = run(config(tiny_model_dir, "trainer.steps=3", "trainer.checkpoint_every=1", "trainer.keep_last=2",
-                        "data.eval_size=0", "trainer.resume=true", f"trainer.output_dir={folder}"))
+    result = run(
+        config(
+            tiny_model_dir,
+            "trainer.steps=3",
+            "trainer.checkpoint_every=1",
+            "trainer.keep_last=2",
+            "data.eval_size=0",
+            "trainer.resume=true",
+            f"trainer.output_dir={folder}",
+        )
+    )
     printed = "".join(capsys.readouterr().out.split())  # the console folds lines longer than 80 columns
     assert "".join(f"Skipping checkpoint {damaged}: {reason}".split()) in printed
     assert "Resumingfromthenewestonebeforeitthatloads." in printed
@@ -331,10 +406,18 @@ def test_a_checkpoint_of_another_model_is_refused_before_anything_loads(two_chec
     shape = json.loads((other / "config.json").read_text())
     (other / "config.json").write_text(json.dumps({**shape, "hidden_size": 64}))
     with pytest.raises(ConfigError) as error:
-        validate(config(tiny_model_dir, f"model.name_or_path={other}", f"trainer.resume={checkpoint}",
-                        f"trainer.output_dir={tmp_path / 'new'}"))
-    assert (f"trainer.resume={checkpoint}: the checkpoint is another model than model.name_or_path={other} "
-            "(hidden_size 128 against 64)") in str(error.value)
+        validate(
+            config(
+                tiny_model_dir,
+                f"model.name_or_path={other}",
+                f"trainer.resume={checkpoint}",
+                f"trainer.output_dir={tmp_path / 'new'}",
+            )
+        )
+    assert (
+        f"trainer.resume={checkpoint}: the checkpoint is another model than model.name_or_path={other} "
+        "(hidden_size 128 against 64)"
+    ) in str(error.value)
 
 
 def test_a_model_folder_whose_config_transformers_rejects_is_named_with_the_reason(tmp_path, tiny_model_dir):
@@ -360,9 +443,18 @@ def exits_on_seed_1(prompts, completions, seed, **_):
 def test_a_sweep_job_that_fails_leaves_the_others_running_and_the_sweep_exits_2(tmp_path):
     # Before: a job's failure (a reward's sys.exit here; any bad input) ended the whole sweep there.
     sweep = tmp_path / "sweep"
-    result = run_script("grpo-train", "-m", "trainer.seed=1,0", "trainer.steps=1", "data.eval_size=0",
-                        "reward.functions=[{_target_: test_trust.exits_on_seed_1, weight: 1.0, seed: ${trainer.seed}}]",
-                        f"hydra.sweep.dir={sweep}", cwd=tmp_path, check=False, env={"PYTHONPATH": TESTS_DIR})
+    result = run_script(
+        "grpo-train",
+        "-m",
+        "trainer.seed=1,0",
+        "trainer.steps=1",
+        "data.eval_size=0",
+        "reward.functions=[{_target_: test_trust.exits_on_seed_1, weight: 1.0, seed: ${trainer.seed}}]",
+        f"hydra.sweep.dir={sweep}",
+        cwd=tmp_path,
+        check=False,
+        env={"PYTHONPATH": TESTS_DIR},
+    )
     stderr = " ".join(result.stderr.split())
     assert result.returncode == 2 and "Traceback" not in result.stdout + result.stderr, stderr[-3000:]
     assert "Reward function exits_on_seed_1 failed on 128 of 128 completions" in stderr  # job 0, seed 1

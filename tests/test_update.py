@@ -45,8 +45,14 @@ def test_bfloat16_autocast_trains_float32_weights_with_bfloat16_forwards(tiny_mo
 def test_second_pass_sees_real_ratios_and_the_clip_bites(tiny_model_dir):
     # Old log-probs are computed once before pass 1, so pass 1 has rho = 1 (up to float noise);
     # a large step (lr 5e-2) then moves the policy, and with clip_eps 0.05 pass 2 must clip.
-    cfg = config(tiny_model_dir, "trainer.num_iterations=2", "trainer.clip_eps=0.05",
-                 "trainer.beta=0", "optimizer.lr=5e-2", "sampler.max_new_tokens=8")
+    cfg = config(
+        tiny_model_dir,
+        "trainer.num_iterations=2",
+        "trainer.clip_eps=0.05",
+        "trainer.beta=0",
+        "optimizer.lr=5e-2",
+        "sampler.max_new_tokens=8",
+    )
     step = one_step(cfg)
     stats = step.stats
     first, second = stats.ratio_deviation_by_pass
@@ -59,8 +65,9 @@ def test_second_pass_sees_real_ratios_and_the_clip_bites(tiny_model_dir):
 def test_with_dropout_disabled_two_training_forwards_agree(tiny_model_dir, disable_dropout):
     # LoRA with dropout 0.5 and a non-zero adapter: if dropout stayed on, the old log-probs and
     # pass 1's would come from different random sub-networks and rho != 1 before any update.
-    cfg = config(tiny_model_dir, "model.lora.enabled=true", "model.lora.dropout=0.5",
-                 f"model.disable_dropout={disable_dropout}")
+    cfg = config(
+        tiny_model_dir, "model.lora.enabled=true", "model.lora.dropout=0.5", f"model.disable_dropout={disable_dropout}"
+    )
     models = load_models(cfg.model, 0.0, torch.device("cpu"))
     with torch.no_grad():
         for name, parameter in models.policy.named_parameters():
@@ -122,8 +129,7 @@ def test_when_every_completion_is_truncated_and_masked_nothing_is_learned(tiny_m
 @pytest.mark.parametrize("estimator", ["k1", "k2", "k3"])
 def test_every_kl_estimator_trains_and_reports_kl(tiny_model_dir, estimator):
     # mu = 2 so the second pass is off the reference and the KL estimate is not 0.
-    cfg = config(tiny_model_dir, f"trainer.kl_estimator={estimator}", "trainer.beta=0.1",
-                 "trainer.num_iterations=2")
+    cfg = config(tiny_model_dir, f"trainer.kl_estimator={estimator}", "trainer.beta=0.1", "trainer.num_iterations=2")
     models, _, stats, changed, total = one_step(cfg)
     assert models.uses_kl and changed == total
     assert stats.kl != 0.0 and stats.loss == stats.loss  # not NaN
@@ -141,8 +147,9 @@ def encoder_batches(model) -> tuple[list[int], object]:
     """Record the batch size of every decoder forward of `model` (returns the list, the hook)."""
     sizes: list[int] = []
     decoder = model.get_base_model().model if hasattr(model, "get_base_model") else model.model
-    hook = decoder.register_forward_pre_hook(lambda module, args, kwargs: sizes.append(kwargs["input_ids"].shape[0]),
-                                             with_kwargs=True)
+    hook = decoder.register_forward_pre_hook(
+        lambda module, args, kwargs: sizes.append(kwargs["input_ids"].shape[0]), with_kwargs=True
+    )
     return sizes, hook
 
 
@@ -178,7 +185,9 @@ def test_one_prompt_pass_per_group_gives_the_numbers_of_one_pass_per_completion(
         policy.zero_grad(set_to_none=True)
         results[group_size] = (sizes, log_probs.detach(), entropy, grads)
     (plain_sizes, plain, plain_entropy, plain_grads), (shared_sizes, shared, shared_entropy, shared_grads) = (
-        results[1], results[4])
+        results[1],
+        results[4],
+    )
     assert plain_sizes == [8] and shared_sizes == [2, 8]
     assert torch.allclose(shared, plain, atol=1e-5) and torch.allclose(shared_entropy, plain_entropy, atol=1e-5)
     for shared_grad, plain_grad in zip(shared_grads, plain_grads):  # float32 sums in another order
@@ -186,8 +195,7 @@ def test_one_prompt_pass_per_group_gives_the_numbers_of_one_pass_per_completion(
 
 
 def test_the_prompt_pass_is_not_shared_when_prompts_differ_or_gradients_are_checkpointed(tiny_model_dir):
-    models = load_models(config(tiny_model_dir, "model.gradient_checkpointing=true").model, 0.0,
-                         torch.device("cpu"))
+    models = load_models(config(tiny_model_dir, "model.gradient_checkpointing=true").model, 0.0, torch.device("cpu"))
     policy = models.policy
     policy.train()
     prompt_ids, prompt_mask, completion_ids, completion_mask = grouped_rows(models.tokenizer, group_size=4)
@@ -195,8 +203,9 @@ def test_the_prompt_pass_is_not_shared_when_prompts_differ_or_gradients_are_chec
     with torch.no_grad():  # no gradients: the cache is kept, the prompt pass shared
         completion_log_probs(policy, prompt_ids, prompt_mask, completion_ids, completion_mask, group_size=4)
         # groups of 2 would mix two prompts in the middle group: one pass per completion
-        completion_log_probs(policy, prompt_ids[2:], prompt_mask[2:], completion_ids[2:], completion_mask[2:],
-                             group_size=4)
+        completion_log_probs(
+            policy, prompt_ids[2:], prompt_mask[2:], completion_ids[2:], completion_mask[2:], group_size=4
+        )
     # gradient checkpointing drops the cache of a forward with gradients: one pass per completion
     completion_log_probs(policy, prompt_ids, prompt_mask, completion_ids, completion_mask, group_size=4)
     hook.remove()
@@ -206,8 +215,9 @@ def test_the_prompt_pass_is_not_shared_when_prompts_differ_or_gradients_are_chec
 def test_an_update_with_the_shared_prompt_pass_equals_one_without(tiny_model_dir):
     stats = {}
     for shared in (True, False):
-        cfg = config(tiny_model_dir, f"trainer.share_prompt_pass={shared}", "trainer.beta=0.04",
-                     "trainer.micro_batch_size=4")
+        cfg = config(
+            tiny_model_dir, f"trainer.share_prompt_pass={shared}", "trainer.beta=0.04", "trainer.micro_batch_size=4"
+        )
         stats[shared] = one_step(cfg).stats
     assert stats[True].loss == pytest.approx(stats[False].loss, rel=1e-4, abs=1e-6)
     assert stats[True].grad_norm == pytest.approx(stats[False].grad_norm, rel=1e-4)
@@ -219,9 +229,17 @@ def test_a_micro_batch_keeps_only_the_columns_its_rows_use():
     # positions, the longest of these rows ending (EOS = 9) at the second.
     from grpo_cli.algorithm.update import micro_batch
 
-    prompt_ids, prompt_mask = torch.tensor([[0, 0, 5], [0, 6, 7], [4, 4, 4]]), torch.tensor([[0, 0, 1], [0, 1, 1], [1, 1, 1]])
-    completion_ids, mask = torch.tensor([[9, 0, 0], [3, 9, 0], [3, 3, 3]]), torch.tensor([[1, 0, 0], [1, 1, 0], [1, 1, 1]])
-    batch = micro_batch(slice(0, 2), prompt_ids, prompt_mask, completion_ids, mask, mask * 0, torch.tensor([1.0, -1.0, 0.5]))
+    prompt_ids, prompt_mask = (
+        torch.tensor([[0, 0, 5], [0, 6, 7], [4, 4, 4]]),
+        torch.tensor([[0, 0, 1], [0, 1, 1], [1, 1, 1]]),
+    )
+    completion_ids, mask = (
+        torch.tensor([[9, 0, 0], [3, 9, 0], [3, 3, 3]]),
+        torch.tensor([[1, 0, 0], [1, 1, 0], [1, 1, 1]]),
+    )
+    batch = micro_batch(
+        slice(0, 2), prompt_ids, prompt_mask, completion_ids, mask, mask * 0, torch.tensor([1.0, -1.0, 0.5])
+    )
     assert batch.prompt_ids.tolist() == [[0, 5], [6, 7]] and batch.prompt_mask.tolist() == [[0, 1], [1, 1]]
     assert batch.completion_ids.tolist() == [[9, 0], [3, 9]] and batch.mask.tolist() == [[1, 0], [1, 1]]
     assert batch.loss_mask.tolist() == [[0, 0], [0, 0]] and batch.advantages.tolist() == [1.0, -1.0]
@@ -237,8 +255,13 @@ def test_micro_batches_of_different_widths_add_up_to_the_whole_step(tiny_model_d
     edit = end_completions_after(tiny_model_dir, [0, 2, 8, 1, 4, 3, 1, 5])
     stats = {}
     for micro in (0, 2):
-        cfg = config(tiny_model_dir, f"trainer.micro_batch_size={micro}", "trainer.beta=0.04",
-                     "sampler.max_new_tokens=8", "trainer.share_prompt_pass=false")
+        cfg = config(
+            tiny_model_dir,
+            f"trainer.micro_batch_size={micro}",
+            "trainer.beta=0.04",
+            "sampler.max_new_tokens=8",
+            "trainer.share_prompt_pass=false",
+        )
         step = one_step(cfg, edit)
         rollout, stats[micro] = step.rollout, step.stats
     assert [int(rows.sum(dim=1).max()) for rows in rollout.completion_mask.split(2)] == [3, 8, 5, 6]

@@ -42,8 +42,10 @@ def checkpoints_dir(output_dir: Path) -> Path:
 def rng_state() -> dict[str, Any]:
     """Every RNG's state as tensors and plain values, so trainer_state.pt loads weights-only."""
     numpy_state = np.random.get_state(legacy=False)  # {bit_generator, state: {key, pos}, has_gauss, gauss}
-    numpy_state["state"] = {"key": torch.from_numpy(numpy_state["state"]["key"].astype(np.int64)),
-                            "pos": int(numpy_state["state"]["pos"])}
+    numpy_state["state"] = {
+        "key": torch.from_numpy(numpy_state["state"]["key"].astype(np.int64)),
+        "pos": int(numpy_state["state"]["pos"]),
+    }
     state = {"python": random.getstate(), "numpy": numpy_state, "torch": torch.get_rng_state()}
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state_all()
@@ -201,8 +203,14 @@ def latest_checkpoint(output_dir: Path) -> Optional[Path]:
 
 # What an older grpo-cli's trainer_state.pt needs beyond tensors and plain values: numpy's RNG
 # key, a uint32 array. These only rebuild an array of plain numbers; they call nothing else.
-OLD_STATE_GLOBALS = (np.ndarray, np.dtype, type(np.dtype(np.uint32)), importlib.import_module(
-    "numpy._core.multiarray" if np.__version__ >= "2" else "numpy.core.multiarray")._reconstruct)
+OLD_STATE_GLOBALS = (
+    np.ndarray,
+    np.dtype,
+    type(np.dtype(np.uint32)),
+    importlib.import_module(
+        "numpy._core.multiarray" if np.__version__ >= "2" else "numpy.core.multiarray"
+    )._reconstruct,
+)
 
 
 def load_trainer_state(checkpoint: Path, mmap: bool = False) -> dict[str, Any]:
@@ -302,5 +310,6 @@ def load_policy_weights(policy: torch.nn.Module, checkpoint: Path, sharded: bool
     else:
         result = policy.load_state_dict(weights, strict=False)
     if result.unexpected_keys or not weights:
-        raise CheckpointError(f"{checkpoint} does not hold this model's weights "
-                              f"(unexpected: {result.unexpected_keys[:5]}).")
+        raise CheckpointError(
+            f"{checkpoint} does not hold this model's weights (unexpected: {result.unexpected_keys[:5]})."
+        )

@@ -129,8 +129,11 @@ def _serve(program: str, hydra_main: Callable[[], None]) -> None:
     except ValueError as error:  # Hydra checks its own flags before run_and_report
         if not str(error).startswith("Only one of"):
             raise
-        fail(f"{error}: e.g. `{program} --cfg hydra hydra/launcher=slurm_gpu` prints the composed "
-             "config, `-m` alone runs the sweep.", error)
+        fail(
+            f"{error}: e.g. `{program} --cfg hydra hydra/launcher=slurm_gpu` prints the composed "
+            "config, `-m` alone runs the sweep.",
+            error,
+        )
     finally:
         hydra_internal.run_and_report = original
 
@@ -139,8 +142,7 @@ def _reporting_input_errors(func: Callable[[], Any]) -> Any:
     try:
         return func()
     except SweepJobFailed as error:  # every job has run; each failure was printed as it came
-        fail(f"a job of the sweep stopped (the others ran; each failure is printed above). The first: {error}",
-             error)
+        fail(f"a job of the sweep stopped (the others ran; each failure is printed above). The first: {error}", error)
     except CompactHydraException as error:  # Hydra's class for errors meant for the user
         fail(hydra_error_message(error), error)
     except OSError as error:
@@ -148,7 +150,8 @@ def _reporting_input_errors(func: Callable[[], Any]) -> Any:
             raise  # a bug or a failure during the run: Hydra prints its (trimmed) traceback
         fail(
             f"Cannot create the run folder {error.filename}: {error.strerror}. Point hydra.run.dir "
-            "(hydra.sweep.dir with -m) at a folder you can write to.", error
+            "(hydra.sweep.dir with -m) at a folder you can write to.",
+            error,
         )
 
 

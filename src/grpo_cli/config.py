@@ -40,9 +40,7 @@ class LoraConfig:
     """LoRA scaling numerator (scale = alpha / r)."""
     dropout: float = 0.05
     """Adapter dropout; only in effect with model.disable_dropout=false."""
-    target_modules: list[str] = field(
-        default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"]
-    )
+    target_modules: list[str] = field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"])
     """Module names to adapt, or ["all-linear"]."""
 
 
@@ -161,9 +159,7 @@ class SamplerConfig:
 
 @dataclass
 class RewardConfig:
-    functions: list[Any] = field(
-        default_factory=lambda: [{"_target_": "grpo_cli.rewards.exact_match", "weight": 1.0}]
-    )
+    functions: list[Any] = field(default_factory=lambda: [{"_target_": "grpo_cli.rewards.exact_match", "weight": 1.0}])
     """Reward functions: each `{_target_: module.function, weight: w, ...its own keyword args}`."""
     clip: Optional[list[float]] = None
     """[low, high]: clamp each function's scores to this range before weighting (null: no clip)."""
@@ -366,8 +362,9 @@ def schema_type(key: str) -> Optional[str]:
     if found is None:
         return None
     written = found.type if isinstance(found.type, str) else getattr(found.type, "__name__", str(found.type))
-    return {"int": "a whole number", "float": "a number", "bool": "true or false",
-            "str": "a string"}.get(written, f"a value of type {written}")
+    return {"int": "a whole number", "float": "a number", "bool": "true or false", "str": "a string"}.get(
+        written, f"a value of type {written}"
+    )
 
 
 def _schema_class(annotation: Any) -> Optional[type]:
@@ -405,8 +402,9 @@ def beta_schedule(beta: Any) -> BetaSchedule:
         beta = OmegaConf.to_container(beta, resolve=True)
     if isinstance(beta, dict):
         start = float(beta["start"])
-        return BetaSchedule(start, float(beta.get("end", start)), int(beta.get("warmup_steps", 0)),
-                            str(beta.get("shape", "linear")))
+        return BetaSchedule(
+            start, float(beta.get("end", start)), int(beta.get("warmup_steps", 0)), str(beta.get("shape", "linear"))
+        )
     return BetaSchedule(float(beta), float(beta))
 
 

@@ -47,21 +47,37 @@ def status_lines(row: dict[str, Any], last_eval: Optional[dict[str, Any]] = None
     """(label, value) pairs describing one step's metrics row, for the live panel."""
     get = row.get
     per_function = [
-        f"{key[len('reward/'):-len('/mean')]} {number(value, 3)}"
-        for key, value in row.items() if key.startswith("reward/") and key.endswith("/mean") and key != "reward/mean"
+        f"{key[len('reward/') : -len('/mean')]} {number(value, 3)}"
+        for key, value in row.items()
+        if key.startswith("reward/") and key.endswith("/mean") and key != "reward/mean"
     ]
     reward = f"{number(get('reward/mean'), 3)} ± {number(get('reward/std'), 3)}"
     lines = [("reward", reward + (f"   ({', '.join(per_function)})" if per_function else ""))]
     lines.append(("KL / beta", f"{number(get('kl'))} / {number(get('beta'))}"))
-    lines.append(("clip fraction", f"{percent(get('clip_fraction'))} (high {percent(get('clip/high_fraction'))}, "
-                                   f"low {percent(get('clip/low_fraction'))})"))
+    lines.append(
+        (
+            "clip fraction",
+            f"{percent(get('clip_fraction'))} (high {percent(get('clip/high_fraction'))}, "
+            f"low {percent(get('clip/low_fraction'))})",
+        )
+    )
     lines.append(("entropy", number(get("entropy"))))
     lines.append(("zero-std groups", percent(get("advantage/zero_std_fraction"))))
-    lines.append(("completion length", f"mean {number(get('completion/length_mean'), 3)}, max "
-                                       f"{number(get('completion/length_max'))}, truncated "
-                                       f"{percent(get('completion/truncated_fraction'))}"))
-    lines.append(("step time", f"{number(get('time/step'), 3)} s = sample {number(get('time/sample'), 3)} + "
-                               f"reward {number(get('time/reward'), 3)} + update {number(get('time/update'), 3)}"))
+    lines.append(
+        (
+            "completion length",
+            f"mean {number(get('completion/length_mean'), 3)}, max "
+            f"{number(get('completion/length_max'))}, truncated "
+            f"{percent(get('completion/truncated_fraction'))}",
+        )
+    )
+    lines.append(
+        (
+            "step time",
+            f"{number(get('time/step'), 3)} s = sample {number(get('time/sample'), 3)} + "
+            f"reward {number(get('time/reward'), 3)} + update {number(get('time/update'), 3)}",
+        )
+    )
     lines.append(("tokens / s", number(get("tokens_per_second"), 4)))
     if "sampler/group_size" in row:
         lines.append(("group size", str(get("sampler/group_size"))))
@@ -70,8 +86,9 @@ def status_lines(row: dict[str, Any], last_eval: Optional[dict[str, Any]] = None
     return lines
 
 
-def status_panel(progress: RenderableType, row: Optional[dict[str, Any]], last_eval: Optional[dict[str, Any]],
-                 warnings: list[str]) -> RenderableType:
+def status_panel(
+    progress: RenderableType, row: Optional[dict[str, Any]], last_eval: Optional[dict[str, Any]], warnings: list[str]
+) -> RenderableType:
     """The live display: progress bar, the last step's numbers, the warnings now present."""
     parts: list[RenderableType] = [progress]
     if row is not None:
@@ -92,16 +109,18 @@ def sample_entries(step: int, rollout: Any, rewards: Any, advantages: Any, promp
     entries = []
     for index in range(min(prompts, rollout.num_prompts)):
         rows = slice(index * group, (index + 1) * group)
-        entries.append({
-            "step": step,
-            "prompt": rollout.prompts[rows.start],
-            "answer": rollout.columns.get("answer", [None] * len(rollout.prompts))[rows.start],
-            "completions": rollout.completions[rows],
-            "rewards": _floats(rewards.total[index]),
-            "per_function": {name: _floats(values[index]) for name, values in rewards.per_function.items()},
-            "advantages": _floats(advantages.values[rows]),
-            "truncated": [bool(t) for t in rollout.truncated[rows]],
-        })
+        entries.append(
+            {
+                "step": step,
+                "prompt": rollout.prompts[rows.start],
+                "answer": rollout.columns.get("answer", [None] * len(rollout.prompts))[rows.start],
+                "completions": rollout.completions[rows],
+                "rewards": _floats(rewards.total[index]),
+                "per_function": {name: _floats(values[index]) for name, values in rewards.per_function.items()},
+                "advantages": _floats(advantages.values[rows]),
+                "truncated": [bool(t) for t in rollout.truncated[rows]],
+            }
+        )
     return entries
 
 

@@ -183,7 +183,7 @@ SUM_SUFFIXES = ("/errors",)
 
 
 def reduction_of(key: str) -> str:
-    """"max", "sum" or "mean": how metric `key` combines over ranks."""
+    """ "max", "sum" or "mean": how metric `key` combines over ranks."""
     if key in MAX_KEYS or key.startswith(MAX_PREFIXES):
         return "max"
     if key in SUM_KEYS or key.endswith(SUM_SUFFIXES):
@@ -257,8 +257,9 @@ def is_sharded(place: Distributed) -> bool:
     return place.enabled and place.mode == "fsdp"
 
 
-def full_states(policy: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                place: Distributed) -> tuple[Any, dict[str, Any]]:
+def full_states(
+    policy: torch.nn.Module, optimizer: torch.optim.Optimizer, place: Distributed
+) -> tuple[Any, dict[str, Any]]:
     """(model state dict or None, optimizer state dict) for a checkpoint. Under FSDP the shards
     are gathered into full tensors on rank 0 (a collective: every rank calls it); otherwise the
     model state is None (save_pretrained reads the model itself) and the optimizer's own."""
@@ -270,8 +271,9 @@ def full_states(policy: torch.nn.Module, optimizer: torch.optim.Optimizer,
     return get_model_state_dict(policy, options=options), get_optimizer_state_dict(policy, optimizer, options=options)
 
 
-def load_optimizer_state(policy: torch.nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any],
-                         place: Distributed) -> None:
+def load_optimizer_state(
+    policy: torch.nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any], place: Distributed
+) -> None:
     """Restore the optimizer from a checkpoint's (full) state dict, sharding it under FSDP."""
     if not is_sharded(place):
         optimizer.load_state_dict(state)

@@ -19,8 +19,15 @@ if TYPE_CHECKING:
 EVAL_BATCH = 64  # eval prompts per greedy generate call
 
 
-def evaluate(policy: torch.nn.Module, sampler: Sampler, scorer: RewardScorer, prompts: PromptSource,
-             rows: list[dict[str, Any]], seed: int, pass_at_k: bool) -> dict[str, float]:
+def evaluate(
+    policy: torch.nn.Module,
+    sampler: Sampler,
+    scorer: RewardScorer,
+    prompts: PromptSource,
+    rows: list[dict[str, Any]],
+    seed: int,
+    pass_at_k: bool,
+) -> dict[str, float]:
     """Greedy completions for the eval prompts, scored by the configured rewards.
 
     `eval/accuracy` is the mean score of the first reward function (by convention the task's
@@ -58,8 +65,14 @@ def evaluate(policy: torch.nn.Module, sampler: Sampler, scorer: RewardScorer, pr
     return metrics
 
 
-def _solved_sum(policy: torch.nn.Module, sampler: Sampler, scorer: RewardScorer, prompts: PromptSource,
-                rows: list[dict[str, Any]], weight: torch.Tensor) -> float:
+def _solved_sum(
+    policy: torch.nn.Module,
+    sampler: Sampler,
+    scorer: RewardScorer,
+    prompts: PromptSource,
+    rows: list[dict[str, Any]],
+    weight: torch.Tensor,
+) -> float:
     """Sum over `rows` of the best first-function score among G sampled completions, weighted.
     Sampled a training step's prompts at a time: a generate call never holds more sequences
     than the step's own sampling, which the memory plan counts."""

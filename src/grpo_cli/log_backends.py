@@ -25,8 +25,9 @@ class TensorBoardBackend:
 
         # purge_step: on resume, events the stopped run wrote after its checkpoint are dropped
         # (they are redone), as rows are dropped from metrics.jsonl.
-        self.writer = SummaryWriter(log_dir=str(output_dir / TENSORBOARD_FOLDER),
-                                    purge_step=start_step + 1 if start_step else None)
+        self.writer = SummaryWriter(
+            log_dir=str(output_dir / TENSORBOARD_FOLDER), purge_step=start_step + 1 if start_step else None
+        )
 
     def log_scalars(self, scalars: dict[str, float], step: int) -> None:
         for key, value in scalars.items():
@@ -48,16 +49,25 @@ class WandbBackend:
         self.wandb = wandb
         # One wandb run per run folder: the id is derived from the folder, so a resume continues it.
         run_id = hashlib.sha1(str(output_dir.resolve()).encode()).hexdigest()[:16]
-        self.run = wandb.init(project=settings.project, name=settings.run_name or output_dir.name,
-                              dir=str(output_dir), config=config, id=run_id, resume="allow")
+        self.run = wandb.init(
+            project=settings.project,
+            name=settings.run_name or output_dir.name,
+            dir=str(output_dir),
+            config=config,
+            id=run_id,
+            resume="allow",
+        )
 
     def log_scalars(self, scalars: dict[str, float], step: int) -> None:
         self.run.log(scalars, step=step)
 
     def log_samples(self, entries: list[dict[str, Any]], step: int) -> None:
         columns = ["step", "prompt", "completion", "reward", "advantage"]
-        data = [[step, entry["prompt"], text, reward, advantage] for entry in entries
-                for text, reward, advantage in zip(entry["completions"], entry["rewards"], entry["advantages"])]
+        data = [
+            [step, entry["prompt"], text, reward, advantage]
+            for entry in entries
+            for text, reward, advantage in zip(entry["completions"], entry["rewards"], entry["advantages"])
+        ]
         self.run.log({"samples": self.wandb.Table(columns=columns, data=data)}, step=step)
 
     def close(self) -> None:

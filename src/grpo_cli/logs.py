@@ -58,9 +58,16 @@ def _truncate_to_step(output_dir: Path, name: str, last_step: int) -> list[dict[
 
 
 class RunLogger:
-    def __init__(self, output_dir: Path, total_steps: int, start_step: int, log_every: int,
-                 backends: LoggerConfig | None = None, config: Optional[dict[str, Any]] = None,
-                 console: Console | None = None):
+    def __init__(
+        self,
+        output_dir: Path,
+        total_steps: int,
+        start_step: int,
+        log_every: int,
+        backends: LoggerConfig | None = None,
+        config: Optional[dict[str, Any]] = None,
+        console: Console | None = None,
+    ):
         self.output_dir = output_dir
         self.console = console or Console()
         self.log_every = log_every
@@ -73,16 +80,24 @@ class RunLogger:
 
         self.backends = open_backends(backends or LoggerConfig(), output_dir, start_step, config or {})
         self.warnings: dict[str, str] = {}  # kind -> message, the patterns present at the last step
-        self.last_eval: Optional[dict[str, Any]] = next((r for r in reversed(self.history) if "eval/accuracy" in r), None)
+        self.last_eval: Optional[dict[str, Any]] = next(
+            (r for r in reversed(self.history) if "eval/accuracy" in r), None
+        )
         self.progress = Progress(
-            TextColumn("[bold]GRPO"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-            TextColumn("eta"), TimeRemainingColumn(), console=self.console,
+            TextColumn("[bold]GRPO"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TimeElapsedColumn(),
+            TextColumn("eta"),
+            TimeRemainingColumn(),
+            console=self.console,
         )
         self.task = self.progress.add_task("train", total=total_steps, completed=start_step)
         self.live: Optional[Live] = None
         if self.console.is_terminal:
-            self.live = Live(status_panel(self.progress, None, None, []), console=self.console,
-                             refresh_per_second=4, transient=False)
+            self.live = Live(
+                status_panel(self.progress, None, None, []), console=self.console, refresh_per_second=4, transient=False
+            )
             self.live.start()
 
     def print(self, message: str) -> None:
@@ -93,8 +108,11 @@ class RunLogger:
         self.history.append(row)
         self.metrics_file.write(json.dumps(row) + "\n")
         self.metrics_file.flush()
-        scalars = {k: v for k, v in metrics.items()
-                   if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)}
+        scalars = {
+            k: v
+            for k, v in metrics.items()
+            if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+        }
         for backend in self.backends:
             backend.log_scalars(scalars, step)
         if "eval/accuracy" in row:
@@ -165,5 +183,3 @@ class QuietLogger:
 
     def summary(self, rows: dict[str, str]) -> None:
         pass
-
-

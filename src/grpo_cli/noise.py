@@ -46,4 +46,3 @@ def silence_known_noise() -> None:
             logger.addFilter(_DropKnownNoise(tuple(start for n, start in LOGGED_NOISE if n == name)))
     for category, start in WARNED_NOISE:
         warnings.filterwarnings("ignore", message=re.escape(start), category=category)
-

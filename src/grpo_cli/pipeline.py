@@ -11,7 +11,7 @@ import contextlib
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, NoReturn, Optional
 
 import torch
 from omegaconf import OmegaConf
@@ -113,8 +113,14 @@ def train(cfg: Any, place: Distributed) -> RunResult:
     train_rows, eval_rows = train_and_eval_rows(cfg.data)
     check_memory(cfg, device, train_rows + eval_rows, output_dir, place)  # stops here if it will not fit
     parts = load_parts(cfg, scorer, train_rows, device, place, resume_from)
-    state = TrainState(parts.models.policy, parts.optimizer, parts.scheduler, parts.prompts,
-                       AdaptiveGroupState.from_state_dict(None, cfg.sampler.group_size), place=place)
+    state = TrainState(
+        parts.models.policy,
+        parts.optimizer,
+        parts.scheduler,
+        parts.prompts,
+        AdaptiveGroupState.from_state_dict(None, cfg.sampler.group_size),
+        place=place,
+    )
     if resume_from is not None:
         state.resume(resume_from)
     log = open_log(cfg, output_dir, state.step, place)
@@ -139,22 +145,32 @@ def train(cfg: Any, place: Distributed) -> RunResult:
                 stopping = stop_requested(stop, place)
                 if final or (trainer.checkpoint_every and step % trainer.checkpoint_every == 0) or stopping:
                     meta = {"reward_mean": metrics["reward/mean"], "kl": metrics["kl"], "beta": result.beta}
-                    last_checkpoint = state.save(output_dir, parts.models.tokenizer, meta,
-                                                 trainer.keep_last, trainer.keep_best)
+                    last_checkpoint = state.save(
+                        output_dir, parts.models.tokenizer, meta, trainer.keep_last, trainer.keep_best
+                    )
                 if stopping:  # SIGINT / SIGTERM: the finished step is kept
-                    log.print(f"Stopped by {stopping} after step {step}; checkpoint {last_checkpoint}. "
-                              f"Continue with the same command plus trainer.resume=true hydra.run.dir={output_dir}")
+                    log.print(
+                        f"Stopped by {stopping} after step {step}; checkpoint {last_checkpoint}. "
+                        f"Continue with the same command plus trainer.resume=true hydra.run.dir={output_dir}"
+                    )
                     break
         except KeyboardInterrupt:  # a second Ctrl-C: stop now, the step in flight is lost
-            log.close()
-            newest = latest_checkpoint(output_dir)
-            log.print(f"Interrupted during step {step}; newest complete checkpoint: {newest or 'none'}. "
-                      f"Continue with trainer.resume=true hydra.run.dir={output_dir}")
-            raise SystemExit(130) from None
+            interrupted(log, step, output_dir)
     log.close()
-    summarize(log, state.step - start_step, time.perf_counter() - started, eval_before, eval_after,
-              last_checkpoint, output_dir, parts.scorer.names[1:])
-    return RunResult(output_dir, state.step, eval_before, eval_after, last_checkpoint)
+    result = RunResult(output_dir, state.step, eval_before, eval_after, last_checkpoint)
+    summarize(log, result, state.step - start_step, time.perf_counter() - started, parts.scorer.names[1:])
+    return result
+
+
+def interrupted(log: RunLogger | QuietLogger, step: int, output_dir: Path) -> NoReturn:
+    """A second Ctrl-C: exit 130 at once, saying which checkpoint a resume would continue from."""
+    log.close()
+    newest = latest_checkpoint(output_dir)
+    log.print(
+        f"Interrupted during step {step}; newest complete checkpoint: {newest or 'none'}. "
+        f"Continue with trainer.resume=true hydra.run.dir={output_dir}"
+    )
+    raise SystemExit(130) from None
 
 
 def run_folder(trainer: Any, place: Distributed) -> Path:
@@ -173,8 +189,14 @@ def open_log(cfg: Any, output_dir: Path, start_step: int, place: Distributed) ->
     if not place.is_main:
         return QuietLogger()
     OmegaConf.save(cfg, output_dir / "config.yaml", resolve=True)
-    return RunLogger(output_dir, cfg.trainer.steps, start_step, cfg.trainer.log_every, cfg.logger,
-                     OmegaConf.to_container(cfg, resolve=True))
+    return RunLogger(
+        output_dir,
+        cfg.trainer.steps,
+        start_step,
+        cfg.trainer.log_every,
+        cfg.logger,
+        OmegaConf.to_container(cfg, resolve=True),
+    )
 
 
 def evaluate_before(parts: RunParts, eval_rows: list[dict[str, Any]], log: RunLogger | QuietLogger) -> float:
@@ -187,28 +209,46 @@ def evaluate_before(parts: RunParts, eval_rows: list[dict[str, Any]], log: RunLo
 
 def evaluate_policy(parts: RunParts, eval_rows: list[dict[str, Any]]) -> dict[str, float]:
     trainer = parts.cfg.trainer
-    return evaluate(parts.models.policy, parts.sampler, parts.scorer, parts.prompts, eval_rows,
-                    seed=trainer.seed, pass_at_k=trainer.eval_pass_at_k)
+    return evaluate(
+        parts.models.policy,
+        parts.sampler,
+        parts.scorer,
+        parts.prompts,
+        eval_rows,
+        seed=trainer.seed,
+        pass_at_k=trainer.eval_pass_at_k,
+    )
 
 
-def adapt_group_size(sampler: Any, adaptive: AdaptiveGroupState, step: int, metrics: dict[str, Any],
-                     log: RunLogger | QuietLogger) -> None:
+def adapt_group_size(
+    sampler: Any, adaptive: AdaptiveGroupState, step: int, metrics: dict[str, Any], log: RunLogger | QuietLogger
+) -> None:
     """sampler.adaptive: this step's rewards set the group size of the next one."""
-    change = next_group_size(sampler.adaptive, adaptive, boosted_group_size(sampler), step,
-                             metrics["reward/mean"], metrics["advantage/zero_std_fraction"])
+    change = next_group_size(
+        sampler.adaptive,
+        adaptive,
+        boosted_group_size(sampler),
+        step,
+        metrics["reward/mean"],
+        metrics["advantage/zero_std_fraction"],
+    )
     if change is not None:
         log.print(f"[cyan]step {step}: {change}")
 
 
-def guard_step(guard: Any, state: TrainState, metrics: dict[str, Any], output_dir: Path,
-               log: RunLogger | QuietLogger) -> None:
+def guard_step(
+    guard: Any, state: TrainState, metrics: dict[str, Any], output_dir: Path, log: RunLogger | QuietLogger
+) -> None:
     """trainer.guard: roll back to the last good checkpoint when this step's metrics call for it."""
     reason = rollback_reason(guard, state.guard, state.step, metrics)
     if reason is not None:
-        target = roll_back(guard, state.guard, state.step, reason, output_dir, state.restore_weights,
-                           state.optimizer, state.scheduler)
-        log.print(f"[yellow]guard: {reason}; rolled back to {target}, beta now "
-                  f"x{state.guard.beta_scale:g}, learning rate x{state.guard.lr_scale:g}")
+        target = roll_back(
+            guard, state.guard, state.step, reason, output_dir, state.restore_weights, state.optimizer, state.scheduler
+        )
+        log.print(
+            f"[yellow]guard: {reason}; rolled back to {target}, beta now "
+            f"x{state.guard.beta_scale:g}, learning rate x{state.guard.lr_scale:g}"
+        )
     metrics["guard/rollbacks"] = len(state.guard.rollbacks)
 
 
@@ -217,12 +257,13 @@ def log_step(log: RunLogger | QuietLogger, trainer: Any, step: int, result: Step
     a table of samples."""
     for name, why in result.rewards.errors.items():
         count = result.rewards.error_counts.get(name, 0)
-        log.print(f"[yellow]step {step}: reward function {name} failed on {count} completions "
-                  f"(first: {why}); those scored None")
+        log.print(
+            f"[yellow]step {step}: reward function {name} failed on {count} completions "
+            f"(first: {why}); those scored None"
+        )
     log.log_step(step, result.metrics)
     if trainer.sample_every and step % trainer.sample_every == 0:
-        log.log_samples(sample_entries(step, result.rollout, result.rewards, result.advantages,
-                                       trainer.sample_prompts))
+        log.log_samples(sample_entries(step, result.rollout, result.rewards, result.advantages, trainer.sample_prompts))
 
 
 def stop_requested(stop: StopRequests, place: Distributed) -> Optional[str]:
@@ -234,8 +275,14 @@ def stop_requested(stop: StopRequests, place: Distributed) -> Optional[str]:
     return stop.requested
 
 
-def load_parts(cfg: Any, scorer: RewardScorer, train_rows: list[dict[str, Any]], device: torch.device,
-               place: Distributed = SINGLE, resume_from: Optional[Path] = None) -> RunParts:
+def load_parts(
+    cfg: Any,
+    scorer: RewardScorer,
+    train_rows: list[dict[str, Any]],
+    device: torch.device,
+    place: Distributed = SINGLE,
+    resume_from: Optional[Path] = None,
+) -> RunParts:
     """Models (the policy from `resume_from` when given), prompts, optimizer, scheduler and
     sampler: what `train_step` works with (scripts/bench_step.py builds them the same way)."""
     betas = beta_schedule(cfg.trainer.beta)
@@ -260,7 +307,7 @@ def train_step(parts: RunParts, step: int, group_size: int, beta_scale: float) -
     # what an unbroken one would have.
     torch.manual_seed(sampling_seed(trainer.seed, step, parts.place.rank))
     step_started = time.perf_counter()
-    cost = {"sample_seconds": 0.0, "reward_seconds": 0.0, "tokens": 0}
+    cost = SamplingCost()
 
     def sample_round() -> tuple[Rollout, Rewards]:
         return sample_and_score(parts, group_size, cost)
@@ -268,50 +315,69 @@ def train_step(parts: RunParts, step: int, group_size: int, beta_scale: float) -
     rollout, rewards = sample_round()
     filled = None
     if trainer.filter_zero_std:  # DAPO dynamic sampling: only groups whose rewards differ
-        filled = fill_informative_groups(rollout, rewards, sample_round, target=rollout.num_prompts,
-                                         max_rounds=trainer.max_resample_rounds, std_threshold=trainer.std_threshold)
+        filled = fill_informative_groups(
+            rollout, rewards, sample_round, rollout.num_prompts, trainer.max_resample_rounds, trainer.std_threshold
+        )
         rollout, rewards = filled.rollout, filled.rewards
     scored = time.perf_counter()
     advantages = group_advantages(rewards.for_advantages, trainer.std_eps, trainer.std_threshold, trainer.advantage)
     beta = beta_at(parts.betas, step - 1) * beta_scale
-    stats = update_policy(parts.models, rollout, advantages, parts.optimizer, parts.scheduler, trainer,
-                          cfg.optimizer.max_grad_norm, beta, parts.place)
+    stats = update_policy(
+        parts.models,
+        rollout,
+        advantages,
+        parts.optimizer,
+        parts.scheduler,
+        trainer,
+        cfg.optimizer.max_grad_norm,
+        beta,
+        parts.place,
+    )
     updated = time.perf_counter()
 
     metrics = step_metrics(rollout, rewards, advantages, stats, beta, parts.scheduler.get_last_lr()[0])
-    if filled is not None:
-        metrics.update({
-            "sampling/extra_rounds": filled.extra_rounds,
-            "sampling/informative_groups": filled.informative_groups,
-            "sampling/sampled_groups": filled.sampled_groups,
-        })
-    metrics.update({
+    metrics |= filled.metrics() if filled is not None else {}
+    metrics |= cost.metrics() | {
         "sampler/group_size": group_size,
-        "time/sample": cost["sample_seconds"],
-        "time/reward": cost["reward_seconds"],
         "time/update": updated - scored,
         "time/step": updated - step_started,
-        "tokens_per_second": cost["tokens"] / max(cost["sample_seconds"], 1e-9),  # all rounds
         "memory/rss_gb": resident_memory_gb(),
-    })
+    }
     if parts.place.enabled:  # one row for the whole step; and (DDP) proof the ranks hold the same weights
         metrics = reduce_metrics(metrics, parts.place)
         if not is_sharded(parts.place):
-            metrics["distributed/weights_spread"] = weights_spread(trainable_parameters(parts.models.policy),
-                                                                   parts.place)
+            metrics["distributed/weights_spread"] = weights_spread(
+                trainable_parameters(parts.models.policy), parts.place
+            )
     return StepResult(metrics, rollout, rewards, advantages, beta)
 
 
-def sample_and_score(parts: RunParts, group_size: int, cost: dict[str, float]) -> tuple[Rollout, Rewards]:
+@dataclass
+class SamplingCost:
+    """What a step's sampling rounds (one, or more with dynamic sampling) took, added up."""
+
+    sample_seconds: float = 0.0
+    reward_seconds: float = 0.0
+    tokens: int = 0  # completion tokens generated
+
+    def metrics(self) -> dict[str, float]:
+        return {
+            "time/sample": self.sample_seconds,
+            "time/reward": self.reward_seconds,
+            "tokens_per_second": self.tokens / max(self.sample_seconds, 1e-9),  # all rounds
+        }
+
+
+def sample_and_score(parts: RunParts, group_size: int, cost: SamplingCost) -> tuple[Rollout, Rewards]:
     """The next batch of prompts -> its B x G completions and their rewards; adds the seconds
     spent and the tokens generated to `cost` (a step may sample several rounds)."""
     started = time.perf_counter()
     rollout = parts.sampler.sample(parts.models.policy, parts.prompts.next_batch(), group_size)
     sampled = time.perf_counter()
     rewards = parts.scorer.score(rollout)
-    cost["sample_seconds"] += sampled - started
-    cost["reward_seconds"] += time.perf_counter() - sampled
-    cost["tokens"] += int(rollout.completion_mask.sum())
+    cost.sample_seconds += sampled - started
+    cost.reward_seconds += time.perf_counter() - sampled
+    cost.tokens += int(rollout.completion_mask.sum())
     return rollout, rewards
 
 
@@ -319,8 +385,9 @@ def ignore(_: str) -> None:
     """A report that goes nowhere (ranks other than 0)."""
 
 
-def step_metrics(rollout: Rollout, rewards: Rewards, advantages: Advantages, stats: UpdateStats,
-                 beta: float, lr: float) -> dict[str, float]:
+def step_metrics(
+    rollout: Rollout, rewards: Rewards, advantages: Advantages, stats: UpdateStats, beta: float, lr: float
+) -> dict[str, float]:
     lengths = rollout.completion_mask.sum(dim=1).float()
     metrics = {
         "reward/mean": rewards.total.mean().item(),
@@ -331,33 +398,36 @@ def step_metrics(rollout: Rollout, rewards: Rewards, advantages: Advantages, sta
         metrics[f"reward/{name}/mean"] = present.mean().item() if present.numel() else None
         metrics[f"reward/{name}/std"] = present.std().item() if present.numel() > 1 else None
         metrics[f"reward/{name}/errors"] = rewards.error_counts.get(name, 0)
-    metrics.update({
-        "advantage/std": advantages.values.std().item(),
-        "advantage/zero_std_fraction": advantages.zero_std_groups.float().mean().item(),
-        "loss": stats.loss,
-        "kl": stats.kl,
-        "clip_fraction": stats.clip_fraction,
-        "clip/high_fraction": stats.clip_high_fraction,
-        "clip/low_fraction": stats.clip_low_fraction,
-        "ratio/max_deviation": max(stats.ratio_deviation_by_pass, default=None),
-        "entropy": stats.entropy,
-        "grad_norm": stats.grad_norm,
-        "skipped_updates": stats.skipped_steps,
-        "completion/length_mean": lengths.mean().item(),
-        "completion/length_max": int(lengths.max().item()),
-        "completion/truncated_fraction": rollout.truncated.float().mean().item(),
-        "lr": lr,
-        "beta": beta,
-    })
+    metrics.update(
+        {
+            "advantage/std": advantages.values.std().item(),
+            "advantage/zero_std_fraction": advantages.zero_std_groups.float().mean().item(),
+            "loss": stats.loss,
+            "kl": stats.kl,
+            "clip_fraction": stats.clip_fraction,
+            "clip/high_fraction": stats.clip_high_fraction,
+            "clip/low_fraction": stats.clip_low_fraction,
+            "ratio/max_deviation": max(stats.ratio_deviation_by_pass, default=None),
+            "entropy": stats.entropy,
+            "grad_norm": stats.grad_norm,
+            "skipped_updates": stats.skipped_steps,
+            "completion/length_mean": lengths.mean().item(),
+            "completion/length_max": int(lengths.max().item()),
+            "completion/truncated_fraction": rollout.truncated.float().mean().item(),
+            "lr": lr,
+            "beta": beta,
+        }
+    )
     if len(stats.clip_fraction_by_pass) > 1:  # mu > 1: pass 1 never clips, the later ones show the drift
         for index, fraction in enumerate(stats.clip_fraction_by_pass, start=1):
             metrics[f"clip/fraction_pass{index}"] = fraction
     return metrics
 
 
-def summarize(log: RunLogger, steps: int, seconds: float, eval_before: Optional[float],
-              eval_after: Optional[float], last_checkpoint: Optional[Path], output_dir: Path,
-              other_functions: list[str]) -> None:
+def summarize(log: RunLogger, result: RunResult, steps: int, seconds: float, other_functions: list[str]) -> None:
+    """The closing table: `steps` done in this invocation in `seconds`; `other_functions` are the
+    reward functions after the first, whose greedy evals are shown before -> after too."""
+    eval_before, eval_after = result.eval_before, result.eval_after
     summary = summarize_run(log.history)  # the numbers grpo-report gives
     first, last, window = summary.reward_first, summary.reward_last, summary.window
     rows = {
@@ -375,6 +445,6 @@ def summarize(log: RunLogger, steps: int, seconds: float, eval_before: Optional[
         key = f"eval/{name}"
         if len(evals) >= 2 and key in evals[0] and key in evals[-1]:
             rows[f"greedy eval {name}, before -> after"] = f"{evals[0][key]:.3f} -> {evals[-1][key]:.3f}"
-    rows["run folder"] = str(output_dir)
-    rows["last checkpoint"] = str(last_checkpoint) if last_checkpoint else "none"
+    rows["run folder"] = str(result.output_dir)
+    rows["last checkpoint"] = str(result.last_checkpoint) if result.last_checkpoint else "none"
     log.summary(rows)

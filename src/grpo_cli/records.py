@@ -82,6 +82,16 @@ class UpdateStats:
     def nothing_trained(cls, passes: int) -> UpdateStats:
         """A step with no token in the loss: no optimizer step (AdamW's momentum would still
         move the weights), every pass counted as skipped."""
-        return cls(loss=0.0, kl=None, clip_fraction=None, clip_high_fraction=None,
-                   clip_low_fraction=None, clip_fraction_by_pass=[], ratio_deviation_by_pass=[],
-                   entropy=None, grad_norm=0.0, tokens=0, skipped_steps=passes)
+        return cls(
+            loss=0.0,
+            kl=None,
+            clip_fraction=None,
+            clip_high_fraction=None,
+            clip_low_fraction=None,
+            clip_fraction_by_pass=[],
+            ratio_deviation_by_pass=[],
+            entropy=None,
+            grad_norm=0.0,
+            tokens=0,
+            skipped_steps=passes,
+        )

@@ -43,8 +43,12 @@ def hold_run_folder(output_dir: Path) -> Iterator[None]:
             return
         handle.seek(0)
         handle.truncate()
-        handle.write(json.dumps({"pid": os.getpid(), "host": socket.gethostname(),
-                                 "started": time.strftime("%Y-%m-%d %H:%M:%S")}) + "\n")
+        handle.write(
+            json.dumps(
+                {"pid": os.getpid(), "host": socket.gethostname(), "started": time.strftime("%Y-%m-%d %H:%M:%S")}
+            )
+            + "\n"
+        )
         handle.flush()
         try:
             yield

@@ -69,14 +69,25 @@ class TrainState:
             "adaptive": self.adaptive.state_dict(),
         }
 
-    def save(self, output_dir: Path, tokenizer: Any, meta: dict[str, Any], keep_last: int,
-             keep_best: int) -> Path:
+    def save(self, output_dir: Path, tokenizer: Any, meta: dict[str, Any], keep_last: int, keep_best: int) -> Path:
         """Checkpoint `self.step`: rank 0 writes, the others wait until it is complete; every
         rank gets its path."""
         model_state, trainer_state = self.state_dict()
-        saved = save_checkpoint(output_dir, self.step, self.policy, tokenizer, trainer_state, meta,
-                                keep_last=keep_last, keep_best=keep_best,
-                                model_state=model_state) if self.place.is_main else None
+        saved = (
+            save_checkpoint(
+                output_dir,
+                self.step,
+                self.policy,
+                tokenizer,
+                trainer_state,
+                meta,
+                keep_last=keep_last,
+                keep_best=keep_best,
+                model_state=model_state,
+            )
+            if self.place.is_main
+            else None
+        )
         barrier(self.place)
         return broadcast_from_main(saved, self.place)
 
@@ -85,8 +96,10 @@ class TrainState:
         optimizer, the schedule, the data position, the RNGs and the counters."""
         broken = non_finite_tensor(self.policy.state_dict())
         if broken is not None:
-            raise CheckpointError(f"trainer.resume: {checkpoint} holds NaN or inf weights ({broken}); a run "
-                                  "cannot continue from it. Resume from an earlier checkpoint (trainer.resume=PATH).")
+            raise CheckpointError(
+                f"trainer.resume: {checkpoint} holds NaN or inf weights ({broken}); a run "
+                "cannot continue from it. Resume from an earlier checkpoint (trainer.resume=PATH)."
+            )
         state = load_trainer_state(checkpoint)
         load_optimizer_state(self.policy, self.optimizer, state["optimizer"], self.place)
         self.scheduler.load_state_dict(state["scheduler"])
@@ -103,8 +116,7 @@ class TrainState:
         load_optimizer_state(self.policy, self.optimizer, load_trainer_state(checkpoint)["optimizer"], self.place)
 
 
-def find_resume_checkpoint(resume: Any, output_dir: Path,
-                           report: Callable[[str], None] = print) -> Optional[Path]:
+def find_resume_checkpoint(resume: Any, output_dir: Path, report: Callable[[str], None] = print) -> Optional[Path]:
     """The checkpoint trainer.resume names: with `true`, the newest one of the run that can be
     resumed, `report`ing each newer one passed over as damaged (cut off, overwritten)."""
     mode = resume_mode(resume)
@@ -115,8 +127,10 @@ def find_resume_checkpoint(resume: Any, output_dir: Path,
     found, skipped = newest_resumable(output_dir)
     if found is None and skipped:
         reasons = "; ".join(f"{path.name}: {why}" for path, why in skipped)
-        raise ConfigError(f"trainer.resume=true, but no checkpoint in {output_dir}/checkpoints can be resumed "
-                          f"({reasons}). Start a fresh run (trainer.resume=false) in another folder.")
+        raise ConfigError(
+            f"trainer.resume=true, but no checkpoint in {output_dir}/checkpoints can be resumed "
+            f"({reasons}). Start a fresh run (trainer.resume=false) in another folder."
+        )
     if found is None:
         raise ConfigError(
             f"trainer.resume=true, but {output_dir}/checkpoints holds no complete checkpoint. "

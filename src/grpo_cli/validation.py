@@ -55,8 +55,14 @@ def validate(cfg: Any, check_files: bool = True) -> None:
     before it imports torch and transformers).
     """
     ranks = launched_world_size()  # torchrun's WORLD_SIZE: each rank trains on its share of the step
-    problems = (_choice_problems(cfg) + _batch_problems(cfg, ranks) + _number_problems(cfg)
-                + _model_problems(cfg, check_files) + _device_problems(cfg) + _run_problems(cfg, ranks))
+    problems = (
+        _choice_problems(cfg)
+        + _batch_problems(cfg, ranks)
+        + _number_problems(cfg)
+        + _model_problems(cfg, check_files)
+        + _device_problems(cfg)
+        + _run_problems(cfg, ranks)
+    )
     if check_files and not problems:  # the rules first: they need no tokenizer, so they are said in a second
         problems += _machine_problems(cfg)
     if problems:
@@ -95,8 +101,10 @@ def _batch_problems(cfg: Any, ranks: int) -> list[str]:
         problems.append(f"data.prompts_per_step={data.prompts_per_step} must be at least 1.")
     # Sharded ranks gather weights together, so they must run the same forward passes.
     if trainer.distributed == "fsdp" and trainer.filter_zero_std:
-        problems.append("trainer.filter_zero_std=true with trainer.distributed=fsdp: ranks would take "
-                        "different numbers of sampling rounds. Use trainer.distributed=ddp for dynamic sampling.")
+        problems.append(
+            "trainer.filter_zero_std=true with trainer.distributed=fsdp: ranks would take "
+            "different numbers of sampling rounds. Use trainer.distributed=ddp for dynamic sampling."
+        )
     if ranks > 1 and data.prompts_per_step % ranks:
         problems.append(
             f"data.prompts_per_step={data.prompts_per_step} must be a multiple of the {ranks} torchrun "
@@ -104,9 +112,7 @@ def _batch_problems(cfg: Any, ranks: int) -> list[str]:
         )
     completions = data.prompts_per_step * sampler.group_size // ranks
     per_rank = f" on each of the {ranks} processes" if ranks > 1 else ""
-    if trainer.micro_batch_size < 0 or (
-        trainer.micro_batch_size > 0 and completions % trainer.micro_batch_size != 0
-    ):
+    if trainer.micro_batch_size < 0 or (trainer.micro_batch_size > 0 and completions % trainer.micro_batch_size != 0):
         problems.append(
             f"trainer.micro_batch_size={trainer.micro_batch_size} must divide the completions per "
             f"step{per_rank}, data.prompts_per_step x sampler.group_size{' / processes' if ranks > 1 else ''} "
@@ -162,8 +168,7 @@ def _number_problems(cfg: Any) -> list[str]:
         problems.append(f"sampler.top_p={sampler.top_p} must be in (0, 1].")
     if sampler.min_new_tokens > sampler.max_new_tokens:
         problems.append(
-            f"sampler.min_new_tokens={sampler.min_new_tokens} exceeds sampler.max_new_tokens="
-            f"{sampler.max_new_tokens}."
+            f"sampler.min_new_tokens={sampler.min_new_tokens} exceeds sampler.max_new_tokens={sampler.max_new_tokens}."
         )
     return problems
 
@@ -178,8 +183,10 @@ def _model_problems(cfg: Any, check_files: bool) -> list[str]:
             "weights cannot be trained directly, only a LoRA adapter on top of them (QLoRA)."
         )
     if model.lora.enabled and model.lora.r < 1:
-        problems.append(f"model.lora.r={model.lora.r} must be at least 1: it is the rank of the "
-                        "adapter matrices (8 to 64 is usual).")
+        problems.append(
+            f"model.lora.r={model.lora.r} must be at least 1: it is the rank of the "
+            "adapter matrices (8 to 64 is usual)."
+        )
     if _lower(model.dtype) == "float16" and not model.lora.enabled:
         problems.append(
             "model.dtype=float16 with a full fine-tune (model.lora.enabled=false): the weights and "
@@ -187,10 +194,15 @@ def _model_problems(cfg: Any, check_files: bool) -> list[str]:
             "float16's resolution are lost. Use model.dtype=bfloat16 (or float32), or train a LoRA "
             "adapter (model.lora.enabled=true: its weights are float32)."
         )
-    if _lower(model.attn_implementation) == "flash_attention_2" and check_files \
-            and importlib.util.find_spec("flash_attn") is None:
-        problems.append("model.attn_implementation=flash_attention_2 needs the flash-attn package (CUDA "
-                        "only), which is not installed: `pip install flash-attn`, or use sdpa.")
+    if (
+        _lower(model.attn_implementation) == "flash_attention_2"
+        and check_files
+        and importlib.util.find_spec("flash_attn") is None
+    ):
+        problems.append(
+            "model.attn_implementation=flash_attention_2 needs the flash-attn package (CUDA "
+            "only), which is not installed: `pip install flash-attn`, or use sdpa."
+        )
     return problems
 
 
@@ -243,11 +255,14 @@ def _machine_problems(cfg: Any) -> list[str]:
         count = torch.cuda.device_count() if torch.cuda.is_available() else 0
         index = reference_device.partition(":")[2]
         if count == 0 or (index.isdigit() and int(index) >= count):
-            seen = (f"{count} CUDA device(s), numbered from 0" if count
-                    else f"no CUDA device (torch {torch.__version__})")
-            problems.append(f"model.reference_device={cfg.model.reference_device}, but torch sees {seen}. "
-                            "Use model.reference_device=same (the policy's device), cpu, or a CUDA "
-                            "device this machine has.")
+            seen = (
+                f"{count} CUDA device(s), numbered from 0" if count else f"no CUDA device (torch {torch.__version__})"
+            )
+            problems.append(
+                f"model.reference_device={cfg.model.reference_device}, but torch sees {seen}. "
+                "Use model.reference_device=same (the policy's device), cpu, or a CUDA "
+                "device this machine has."
+            )
     if "paged" in str(cfg.optimizer._target_).lower() and not on_cuda:
         problems.append(
             f"optimizer._target_={cfg.optimizer._target_}: paged optimizers keep their states in CUDA "
@@ -272,12 +287,19 @@ def output_dir_problems(output_dir: Optional[str]) -> list[str]:
         why = f"{existing} is not writable by this user"
     else:
         return []
-    return [f"trainer.output_dir={output_dir}: {why}. Point trainer.output_dir (or hydra.run.dir) "
-            "at a folder you can write to."]
+    return [
+        f"trainer.output_dir={output_dir}: {why}. Point trainer.output_dir (or hydra.run.dir) "
+        "at a folder you can write to."
+    ]
 
 
-RESUME_KEYS = ("model.name_or_path", "model.lora.enabled", "model.lora.r",
-               "model.lora.target_modules", "model.quantization")
+RESUME_KEYS = (
+    "model.name_or_path",
+    "model.lora.enabled",
+    "model.lora.r",
+    "model.lora.target_modules",
+    "model.quantization",
+)
 LORA_SHAPE_KEYS = ("model.lora.r", "model.lora.target_modules")  # compared only when both use LoRA
 
 
@@ -311,17 +333,22 @@ def _range_problems(cfg: Any) -> list[str]:
         problems.append(f"optimizer.weight_decay={optimizer.weight_decay} must be >= 0 (0.0 to 0.1 is usual).")
     betas = list(optimizer.betas)
     if len(betas) != 2 or not all(0 <= beta < 1 for beta in betas):
-        problems.append(f"optimizer.betas={betas} must be two numbers in [0, 1), e.g. [0.9, 0.999]: Adam's "
-                        "moving averages of the gradient and its square.")
+        problems.append(
+            f"optimizer.betas={betas} must be two numbers in [0, 1), e.g. [0.9, 0.999]: Adam's "
+            "moving averages of the gradient and its square."
+        )
     for key, seed in (("trainer.seed", trainer.seed), ("data.seed", cfg.data.seed)):
         if not 0 <= seed < 2**32:
             problems.append(f"{key}={seed} must be in [0, 2^32): torch, numpy and Python take it as their seed.")
     if trainer.log_every < 1:
-        problems.append(f"trainer.log_every={trainer.log_every} must be at least 1 (a console line every "
-                        "that many steps; metrics.jsonl gets every step whatever it is).")
+        problems.append(
+            f"trainer.log_every={trainer.log_every} must be at least 1 (a console line every "
+            "that many steps; metrics.jsonl gets every step whatever it is)."
+        )
     if trainer.memory_budget_gb is not None and not trainer.memory_budget_gb > 0:
-        problems.append(f"trainer.memory_budget_gb={trainer.memory_budget_gb} must be positive, or null for "
-                        "what this machine has.")
+        problems.append(
+            f"trainer.memory_budget_gb={trainer.memory_budget_gb} must be positive, or null for what this machine has."
+        )
     if not cfg.reward.timeout_s >= 0:
         problems.append(f"reward.timeout_s={cfg.reward.timeout_s} must be >= 0 (0: no limit).")
     return problems
@@ -349,18 +376,24 @@ def resume_problems(cfg: Any) -> list[str]:
     else:
         checkpoint = Path(mode)
         if not checkpoint.is_dir():
-            return [f"trainer.resume={mode}: no such checkpoint folder. Give a folder such as "
-                    "RUN/checkpoints/step-000100, or trainer.resume=true for the newest in the run folder."]
+            return [
+                f"trainer.resume={mode}: no such checkpoint folder. Give a folder such as "
+                "RUN/checkpoints/step-000100, or trainer.resume=true for the newest in the run folder."
+            ]
         missing = [name for name in (META_FILE, STATE_FILE) if not (checkpoint / name).is_file()]
         if missing:
-            return [f"trainer.resume={mode}: not a complete checkpoint (no {' or '.join(missing)}). "
-                    "Give a folder such as RUN/checkpoints/step-000100 (a folder without meta.json "
-                    "is a save that was cut off), or trainer.resume=true for the newest complete one."]
+            return [
+                f"trainer.resume={mode}: not a complete checkpoint (no {' or '.join(missing)}). "
+                "Give a folder such as RUN/checkpoints/step-000100 (a folder without meta.json "
+                "is a save that was cut off), or trainer.resume=true for the newest complete one."
+            ]
     problems = _setup_problems(checkpoint, cfg)
     damage = checkpoint_damage(checkpoint) if mode != "latest" and not problems else None
     if damage is not None:
-        return [f"trainer.resume={mode}: the checkpoint cannot be resumed: {damage}. Give another "
-                "checkpoint, or trainer.resume=true for the newest of the run that loads."]
+        return [
+            f"trainer.resume={mode}: the checkpoint cannot be resumed: {damage}. Give another "
+            "checkpoint, or trainer.resume=true for the newest of the run that loads."
+        ]
     return problems
 
 
@@ -372,8 +405,10 @@ def _setup_problems(checkpoint: Path, cfg: Any) -> list[str]:
         has_adapter = (checkpoint / "adapter_config.json").is_file()
         if has_adapter != bool(model.lora.enabled):
             held = "a LoRA adapter" if has_adapter else "full model weights"
-            return [f"trainer.resume={checkpoint}: the checkpoint holds {held}, but "
-                    f"model.lora.enabled={model.lora.enabled}. Resume with the set-up it was made with."]
+            return [
+                f"trainer.resume={checkpoint}: the checkpoint holds {held}, but "
+                f"model.lora.enabled={model.lora.enabled}. Resume with the set-up it was made with."
+            ]
         return [] if has_adapter else _other_model_problems(checkpoint, model)
     before = OmegaConf.load(saved)
     both_lora = bool(OmegaConf.select(before, "model.lora.enabled")) and bool(model.lora.enabled)
@@ -388,14 +423,23 @@ def _setup_problems(checkpoint: Path, cfg: Any) -> list[str]:
             differ.append(f"{key} was {old!r}, now {new!r}")
     if not differ:
         return []
-    return [f"trainer.resume: checkpoint {checkpoint} was made with another model set-up (its run's "
-            f"config: {saved}): {'; '.join(differ)}. Resume with the values it was made with, or "
-            "start a fresh run (trainer.resume=false) in another folder."]
+    return [
+        f"trainer.resume: checkpoint {checkpoint} was made with another model set-up (its run's "
+        f"config: {saved}): {'; '.join(differ)}. Resume with the values it was made with, or "
+        "start a fresh run (trainer.resume=false) in another folder."
+    ]
 
 
 # config.json keys that decide the weights' shapes: a checkpoint that differs in one is another model.
-SHAPE_KEYS = ("model_type", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
-              "num_attention_heads", "num_key_value_heads")
+SHAPE_KEYS = (
+    "model_type",
+    "vocab_size",
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+)
 
 
 def _other_model_problems(checkpoint: Path, model: Any) -> list[str]:
@@ -415,13 +459,16 @@ def _other_model_problems(checkpoint: Path, model: Any) -> list[str]:
         return []
     if ours is None:
         return []
-    differ = [f"{key} {theirs.get(key)!r} against {ours.get(key)!r}" for key in SHAPE_KEYS
-              if theirs.get(key) != ours.get(key)]
+    differ = [
+        f"{key} {theirs.get(key)!r} against {ours.get(key)!r}" for key in SHAPE_KEYS if theirs.get(key) != ours.get(key)
+    ]
     if not differ:
         return []
-    return [f"trainer.resume={checkpoint}: the checkpoint is another model than "
-            f"model.name_or_path={model.name_or_path} ({', '.join(differ)}); the reference would come from "
-            "model.name_or_path. Resume with model.name_or_path set to the model it was trained from."]
+    return [
+        f"trainer.resume={checkpoint}: the checkpoint is another model than "
+        f"model.name_or_path={model.name_or_path} ({', '.join(differ)}); the reference would come from "
+        "model.name_or_path. Resume with model.name_or_path set to the model it was trained from."
+    ]
 
 
 def _plain(value: Any) -> Any:
@@ -439,18 +486,24 @@ def _adaptive_problems(sampler: Any, prompts_per_step: int, micro_batch_size: in
     adaptive = sampler.adaptive
     if not adaptive.enabled:
         return []
-    problems = [f"sampler.adaptive.{key}={getattr(adaptive, key)} must be at least {least}."
-                for key, least in (("patience", 1), ("duration", 1), ("factor", 2))
-                if getattr(adaptive, key) < least]
+    problems = [
+        f"sampler.adaptive.{key}={getattr(adaptive, key)} must be at least {least}."
+        for key, least in (("patience", 1), ("duration", 1), ("factor", 2))
+        if getattr(adaptive, key) < least
+    ]
     if adaptive.max_group_size <= sampler.group_size:
-        problems.append(f"sampler.adaptive.max_group_size={adaptive.max_group_size} must exceed "
-                        f"sampler.group_size={sampler.group_size}, or there is nothing to raise it to.")
+        problems.append(
+            f"sampler.adaptive.max_group_size={adaptive.max_group_size} must exceed "
+            f"sampler.group_size={sampler.group_size}, or there is nothing to raise it to."
+        )
     if not 0 <= adaptive.zero_std_fraction <= 1:
         problems.append(f"sampler.adaptive.zero_std_fraction={adaptive.zero_std_fraction} must be in [0, 1].")
     boosted = prompts_per_step * boosted_group_size(sampler)
     if not problems and micro_batch_size > 0 and boosted % micro_batch_size:
-        problems.append(f"trainer.micro_batch_size={micro_batch_size} must also divide the completions "
-                        f"of a raised step, data.prompts_per_step x {boosted_group_size(sampler)} = {boosted}.")
+        problems.append(
+            f"trainer.micro_batch_size={micro_batch_size} must also divide the completions "
+            f"of a raised step, data.prompts_per_step x {boosted_group_size(sampler)} = {boosted}."
+        )
     return problems
 
 
@@ -458,10 +511,12 @@ OPTIONAL_LOGGERS = {"tensorboard": "tensorboard", "wandb": "wandb", "mlflow": "m
 
 
 def _logger_problems(logger: Any) -> list[str]:
-    return [f"logger.{key}=true, but the `{package}` package is not installed. Install it "
-            f"(pip install {package}) or choose another logger (logger=tensorboard or logger=jsonl)."
-            for key, package in OPTIONAL_LOGGERS.items()
-            if logger[key] and importlib.util.find_spec(package) is None]
+    return [
+        f"logger.{key}=true, but the `{package}` package is not installed. Install it "
+        f"(pip install {package}) or choose another logger (logger=tensorboard or logger=jsonl)."
+        for key, package in OPTIONAL_LOGGERS.items()
+        if logger[key] and importlib.util.find_spec(package) is None
+    ]
 
 
 def _reward_problems(functions: Any) -> list[str]:
@@ -483,15 +538,20 @@ BETA_KEYS = ("start", "end", "warmup_steps", "shape")
 
 
 def _beta_problems(beta: Any) -> list[str]:
-    hint = ("trainer.beta must be a number >= 0 or a schedule such as "
-            "trainer.beta='{start: 0.05, end: 0.02, warmup_steps: 100, shape: linear}'")
+    hint = (
+        "trainer.beta must be a number >= 0 or a schedule such as "
+        "trainer.beta='{start: 0.05, end: 0.02, warmup_steps: 100, shape: linear}'"
+    )
     if OmegaConf.is_config(beta):
         beta = OmegaConf.to_container(beta, resolve=True)
     if isinstance(beta, dict):
         unknown = sorted(set(beta) - set(BETA_KEYS))
         if unknown or "start" not in beta:
-            return [f"trainer.beta={beta}: " + (f"unknown keys {unknown}; " if unknown else "needs `start`; ")
-                    + f"the schedule keys are {', '.join(BETA_KEYS)}."]
+            return [
+                f"trainer.beta={beta}: "
+                + (f"unknown keys {unknown}; " if unknown else "needs `start`; ")
+                + f"the schedule keys are {', '.join(BETA_KEYS)}."
+            ]
         numbers = {key: beta[key] for key in ("start", "end", "warmup_steps") if key in beta}
         if any(not _is_number(v) or not 0 <= v < math.inf for v in numbers.values()):
             return [f"trainer.beta={beta}: start, end and warmup_steps must be finite numbers >= 0."]
@@ -509,8 +569,12 @@ def _clip_problems(clip: Any) -> list[str]:
     if clip is None:
         return []
     values = list(clip) if not isinstance(clip, (str, bytes)) and hasattr(clip, "__iter__") else None
-    if (values is None or len(values) != 2 or not all(_is_number(v) and math.isfinite(v) for v in values)
-            or values[0] >= values[1]):
+    if (
+        values is None
+        or len(values) != 2
+        or not all(_is_number(v) and math.isfinite(v) for v in values)
+        or values[0] >= values[1]
+    ):
         return [f"reward.clip={clip!r} must be [low, high] with low < high, e.g. reward.clip=[-5,5] (or null)."]
     return []
 

@@ -23,8 +23,7 @@ from grpo_cli.config import ADVANTAGE_MODES
 from grpo_cli.records import Advantages
 
 
-def group_advantages(rewards: torch.Tensor, std_eps: float, std_threshold: float,
-                     mode: str = "grpo") -> Advantages:
+def group_advantages(rewards: torch.Tensor, std_eps: float, std_threshold: float, mode: str = "grpo") -> Advantages:
     """rewards: [B, G] -> Advantages(values [B*G], zero_std_groups [B])."""
     if not rewards.is_floating_point():
         rewards = rewards.float()
@@ -47,9 +46,13 @@ def group_advantages(rewards: torch.Tensor, std_eps: float, std_threshold: float
     return Advantages(values=values.reshape(-1), zero_std_groups=zero_std)
 
 
-def combine_rewards(per_function: dict[str, torch.Tensor], weights: dict[str, float],
-                    clip: tuple[float, float] | None = None, normalize_each: bool = False,
-                    std_eps: float = 1e-4) -> torch.Tensor:
+def combine_rewards(
+    per_function: dict[str, torch.Tensor],
+    weights: dict[str, float],
+    clip: tuple[float, float] | None = None,
+    normalize_each: bool = False,
+    std_eps: float = 1e-4,
+) -> torch.Tensor:
     """Weighted sum of the reward functions' scores, each [B, G] (NaN = the function had no
     opinion, counted as 0) -> [B, G].
 

@@ -93,8 +93,9 @@ class _TokenLogProbs(torch.autograd.Function):
         return grad, None, None, None
 
 
-def token_log_probs(logits: torch.Tensor, tokens: torch.Tensor, temperature: float = 1.0,
-                    chunk_rows: int | None = None) -> torch.Tensor:
+def token_log_probs(
+    logits: torch.Tensor, tokens: torch.Tensor, temperature: float = 1.0, chunk_rows: int | None = None
+) -> torch.Tensor:
     """log pi(token) at each position, pi = softmax(logits / temperature).
 
     logits: [N, L, V] with L >= T, position t predicting tokens[:, t] ([N, T]); positions past
@@ -105,8 +106,9 @@ def token_log_probs(logits: torch.Tensor, tokens: torch.Tensor, temperature: flo
 
 
 @torch.no_grad()
-def token_entropy(logits: torch.Tensor, length: int | None = None, temperature: float = 1.0,
-                  chunk_rows: int | None = None) -> torch.Tensor:
+def token_entropy(
+    logits: torch.Tensor, length: int | None = None, temperature: float = 1.0, chunk_rows: int | None = None
+) -> torch.Tensor:
     """Entropy of softmax(logits / temperature) at the first `length` positions (all if None):
     [N, L, V] -> [N, length]. No gradient. H = logsumexp(x) - sum softmax(x) * x, by blocks.
     """
@@ -160,9 +162,9 @@ class StepSize(NamedTuple):
 def aggregate(per_token: torch.Tensor, mask: torch.Tensor, aggregation: str, step: StepSize) -> torch.Tensor:
     """Reduce per-token losses [N, T] of one micro-batch to its share of the step's scalar loss.
 
-      sequence_mean: sum_i (1/|o_i| sum_t l_it) / sequences      (GRPO paper)
-      token_mean:    sum_i sum_t l_it / tokens                    (DAPO)
-      constant:      sum_i sum_t l_it / (sequences * max_new_tokens)   (Dr. GRPO)
+    sequence_mean: sum_i (1/|o_i| sum_t l_it) / sequences      (GRPO paper)
+    token_mean:    sum_i sum_t l_it / tokens                    (DAPO)
+    constant:      sum_i sum_t l_it / (sequences * max_new_tokens)   (Dr. GRPO)
     """
     if aggregation == "sequence_mean":
         return sequence_mean(per_token, mask).sum() / step.sequences

@@ -20,13 +20,12 @@ def make_optimizer(cfg: OptimizerConfig, parameters: list[torch.nn.Parameter]) -
             "class such as torch.optim.AdamW or bitsandbytes.optim.AdamW8bit."
         ) from None
     extra = OmegaConf.to_container(cfg.kwargs) if OmegaConf.is_config(cfg.kwargs) else dict(cfg.kwargs)
-    return optimizer_class(
-        parameters, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=tuple(cfg.betas), **extra
-    )
+    return optimizer_class(parameters, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=tuple(cfg.betas), **extra)
 
 
-def make_scheduler(cfg: OptimizerConfig, optimizer: torch.optim.Optimizer,
-                   total_steps: int) -> torch.optim.lr_scheduler.LambdaLR:
+def make_scheduler(
+    cfg: OptimizerConfig, optimizer: torch.optim.Optimizer, total_steps: int
+) -> torch.optim.lr_scheduler.LambdaLR:
     """Linear warmup from 0 over `warmup_steps`, then constant, linear decay to 0 or cosine decay
     to 0 at `total_steps`: the multipliers of transformers' get_scheduler (constant_with_warmup,
     linear, cosine), equal at every step (tests/test_optim.py). Written out rather than imported

@@ -54,8 +54,9 @@ def completion_log_probs(
     # Left padding: positions count real tokens only, as `generate` numbered them when sampling.
     position_ids = (attention_mask.cumsum(dim=1) - 1).clamp(min=0)
     if group_size > 1 and keeps_cache(model) and one_prompt_per_group(prompt_ids, prompt_mask, group_size):
-        shared = shared_prompt_log_probs(model, input_ids, attention_mask, position_ids, prompt_ids.shape[1],
-                                         group_size, temperature, with_entropy)
+        shared = shared_prompt_log_probs(
+            model, input_ids, attention_mask, position_ids, prompt_ids.shape[1], group_size, temperature, with_entropy
+        )
         if shared is not None:
             return shared
     length = completion_ids.shape[1]
@@ -113,8 +114,13 @@ def shared_prompt_log_probs(
     and the backward take 11-25% less time (docs/BENCHMARKS.md); longer prompts gain more."""
     completion_ids = input_ids[:, prompt_length:]  # [N, T]
     firsts = slice(0, None, group_size)  # the first row of each group
-    prompt = model(input_ids=input_ids[firsts, :prompt_length], attention_mask=attention_mask[firsts, :prompt_length],
-                   position_ids=position_ids[firsts, :prompt_length], use_cache=True, logits_to_keep=1)
+    prompt = model(
+        input_ids=input_ids[firsts, :prompt_length],
+        attention_mask=attention_mask[firsts, :prompt_length],
+        position_ids=position_ids[firsts, :prompt_length],
+        use_cache=True,
+        logits_to_keep=1,
+    )
     cache = getattr(prompt, "cache", None)
     if not hasattr(cache, "batch_repeat_interleave"):  # a model with another kind of state
         return None
@@ -123,8 +129,13 @@ def shared_prompt_log_probs(
     log_probs = [token_log_probs(first_logits, completion_ids[:, :1], temperature)]
     entropy = [token_entropy(first_logits, 1, temperature)] if with_entropy else None
     if completion_ids.shape[1] > 1:
-        logits = model(input_ids=completion_ids[:, :-1], attention_mask=attention_mask[:, :-1],
-                       position_ids=position_ids[:, prompt_length:-1], cache=cache, use_cache=True).logits  # [N, T-1, V]
+        logits = model(
+            input_ids=completion_ids[:, :-1],
+            attention_mask=attention_mask[:, :-1],
+            position_ids=position_ids[:, prompt_length:-1],
+            cache=cache,
+            use_cache=True,
+        ).logits  # [N, T-1, V]
         log_probs.append(token_log_probs(logits, completion_ids[:, 1:], temperature))
         if with_entropy:
             entropy.append(token_entropy(logits, None, temperature))
@@ -144,16 +155,29 @@ class MicroBatch(NamedTuple):
     advantages: torch.Tensor  # [n]
 
 
-def micro_batch(rows: slice, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, completion_ids: torch.Tensor,
-                mask: torch.Tensor, loss_mask: torch.Tensor, advantages: torch.Tensor) -> MicroBatch:
+def micro_batch(
+    rows: slice,
+    prompt_ids: torch.Tensor,
+    prompt_mask: torch.Tensor,
+    completion_ids: torch.Tensor,
+    mask: torch.Tensor,
+    loss_mask: torch.Tensor,
+    advantages: torch.Tensor,
+) -> MicroBatch:
     """MicroBatch of `rows` ([N, P] prompts, left-padded; [N, T] completions). Example: prompts
     [[0, 0, 5], [0, 6, 7]] keep their last two columns; completion masks [[1, 0, 0], [1, 1, 0]]
     their first two."""
     used = prompt_mask[rows].any(dim=0)  # [P]
     first = int(used.to(torch.uint8).argmax()) if bool(used.any()) else 0
     width = max(int(mask[rows].sum(dim=1).max()), 1)  # the mask runs from position 0 to the EOS
-    return MicroBatch(prompt_ids[rows, first:], prompt_mask[rows, first:], completion_ids[rows, :width],
-                      mask[rows, :width], loss_mask[rows, :width], advantages[rows])
+    return MicroBatch(
+        prompt_ids[rows, first:],
+        prompt_mask[rows, first:],
+        completion_ids[rows, :width],
+        mask[rows, :width],
+        loss_mask[rows, :width],
+        advantages[rows],
+    )
 
 
 @dataclass
@@ -195,12 +219,16 @@ class StepTotals:
         """The whole step's totals: sums (the deviation: the max) over torchrun ranks, in one
         all-reduce; the identity in one process."""
         passes = len(self.clipped_by_pass)
-        summed = sum_over_ranks([getattr(self, name) for name in self.SUMMED]
-                                + self.clipped_by_pass + self.tokens_by_pass, place)
-        per_pass = summed[len(self.SUMMED):]
-        return StepTotals(**dict(zip(self.SUMMED, summed)), clipped_by_pass=per_pass[:passes],
-                          tokens_by_pass=per_pass[passes:],
-                          deviation_by_pass=max_over_ranks(self.deviation_by_pass, place))
+        summed = sum_over_ranks(
+            [getattr(self, name) for name in self.SUMMED] + self.clipped_by_pass + self.tokens_by_pass, place
+        )
+        per_pass = summed[len(self.SUMMED) :]
+        return StepTotals(
+            **dict(zip(self.SUMMED, summed)),
+            clipped_by_pass=per_pass[:passes],
+            tokens_by_pass=per_pass[passes:],
+            deviation_by_pass=max_over_ranks(self.deviation_by_pass, place),
+        )
 
     def stats(self, grad_norm: float, loss_tokens: int, skipped: int) -> UpdateStats:
         passes = max(len(self.clipped_by_pass), 1)
@@ -211,8 +239,9 @@ class StepTotals:
             clip_fraction=(self.clipped_high + self.clipped_low) / tokens,
             clip_high_fraction=self.clipped_high / tokens,
             clip_low_fraction=self.clipped_low / tokens,
-            clip_fraction_by_pass=[clipped / max(count, 1.0)
-                                   for clipped, count in zip(self.clipped_by_pass, self.tokens_by_pass)],
+            clip_fraction_by_pass=[
+                clipped / max(count, 1.0) for clipped, count in zip(self.clipped_by_pass, self.tokens_by_pass)
+            ],
             ratio_deviation_by_pass=self.deviation_by_pass,
             entropy=self.entropy_sum / max(self.entropy_tokens, 1.0),
             grad_norm=grad_norm,
@@ -221,8 +250,7 @@ class StepTotals:
         )
 
 
-def shared_prompt_pass_group(share_prompt_pass: bool, micro_batch_size: int, group_size: int,
-                             distributed: bool) -> int:
+def shared_prompt_pass_group(share_prompt_pass: bool, micro_batch_size: int, group_size: int, distributed: bool) -> int:
     """G where one prompt pass serves each group of G completions (trainer.share_prompt_pass and
     micro-batches of whole groups), else 1. Not under torchrun: DDP and FSDP expect one forward
     per backward. The memory planner plans by the same rule.
@@ -251,36 +279,22 @@ def update_policy(
     batches, step_size = micro_batches(rollout, advantages, trainer, device, place)
     if step_size.tokens == 0:  # every completion left out (mask_truncated): nothing to learn from
         return UpdateStats.nothing_trained(trainer.num_iterations)
-    settings = LossSettings(
-        clip_eps=trainer.clip_eps,
-        clip_eps_high=trainer.clip_eps if trainer.clip_eps_high is None else trainer.clip_eps_high,
-        beta=beta,
-        kl_estimator=trainer.kl_estimator,
-        aggregation=trainer.loss_aggregation,
-        kl_importance_correction=trainer.kl_importance_correction,
-    )
+    settings = loss_settings(trainer, beta)
     rank_scale = place.world_size  # DDP / FSDP average the ranks' gradients; the shares must add up
-    prompt_pass_group = shared_prompt_pass_group(trainer.share_prompt_pass, trainer.micro_batch_size
-                                                 or rollout.completion_ids.shape[0], rollout.group_size,
-                                                 place.enabled)
+    micro = trainer.micro_batch_size or rollout.completion_ids.shape[0]
+    group = shared_prompt_pass_group(trainer.share_prompt_pass, micro, rollout.group_size, place.enabled)
 
     def log_probs_of(model, batch: MicroBatch, with_entropy=False):  # the policy, its DDP wrapper, or the reference
         here = next(model.parameters()).device  # a full fine-tune's reference may sit on the CPU
+        ids = (batch.prompt_ids, batch.prompt_mask, batch.completion_ids, batch.mask)
         with models.autocast():  # the forward only: the backward runs in the dtypes it chose
             log_probs, entropy = completion_log_probs(
-                model, batch.prompt_ids.to(here), batch.prompt_mask.to(here), batch.completion_ids.to(here),
-                batch.mask.to(here), rollout.temperature, with_entropy, prompt_pass_group,
+                model, *(tensor.to(here) for tensor in ids), rollout.temperature, with_entropy, group
             )
         return log_probs.to(device), entropy
 
     policy.train()
-    with torch.no_grad():  # the frozen passes: reference log-probs, and the old policy's for mu > 1
-        reference = [None] * len(batches)
-        if models.uses_kl:
-            with reference_model(models) as ref:
-                reference = [log_probs_of(ref, batch)[0] for batch in batches]
-        old = [log_probs_of(policy, batch)[0] for batch in batches] if trainer.num_iterations > 1 else None
-
+    reference, old = frozen_log_probs(models, batches, log_probs_of, trainer.num_iterations > 1)
     parameters = trainable_parameters(policy)
     totals, grad_norm, skipped = StepTotals(), 0.0, 0
     for iteration in range(trainer.num_iterations):  # the paper's mu passes over the same rollout
@@ -293,29 +307,62 @@ def update_policy(
             with syncing:
                 log_probs, entropy = log_probs_of(trained, batch, with_entropy=iteration == 0)
                 old_log_probs = old[index] if old is not None else log_probs.detach()
-                loss, metrics = grpo_loss(
-                    log_probs, old_log_probs, reference[index], batch.advantages, batch.loss_mask,
-                    settings, step_size,
-                )
+                losses = (log_probs, old_log_probs, reference[index], batch.advantages, batch.loss_mask)
+                loss, metrics = grpo_loss(*losses, settings, step_size)
                 (loss * rank_scale).backward()
             if entropy is not None:  # the first pass, over every completion token, truncated or not
                 totals.add_entropy((entropy * batch.mask).sum().item(), float(batch.mask.sum()))
             totals.add(loss.item(), metrics)
-        norm = torch.nn.utils.clip_grad_norm_(parameters, max_grad_norm or math.inf)
-        grad_norm = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)  # FSDP: a DTensor
-        if math.isfinite(grad_norm):
-            optimizer.step()
-            scheduler.step()
-        else:
-            skipped += 1
-        # Free the gradients now rather than at the next update: kept, they would sit through
-        # the next step's sampling, the peak of many runs (memory.py plans them in the update).
-        optimizer.zero_grad(set_to_none=True)
+        grad_norm = clip_and_step(parameters, optimizer, scheduler, max_grad_norm)
+        skipped += not math.isfinite(grad_norm)
     return totals.over_ranks(place).stats(grad_norm, step_size.tokens, skipped)
 
 
-def micro_batches(rollout: Rollout, advantages: Advantages, trainer: TrainerConfig, device: torch.device,
-                  place: Distributed) -> tuple[list[MicroBatch], StepSize]:
+def loss_settings(trainer: TrainerConfig, beta: float) -> LossSettings:
+    return LossSettings(
+        clip_eps=trainer.clip_eps,
+        clip_eps_high=trainer.clip_eps if trainer.clip_eps_high is None else trainer.clip_eps_high,
+        beta=beta,
+        kl_estimator=trainer.kl_estimator,
+        aggregation=trainer.loss_aggregation,
+        kl_importance_correction=trainer.kl_importance_correction,
+    )
+
+
+def frozen_log_probs(models: Models, batches: list[MicroBatch], log_probs_of, with_old: bool):
+    """Per micro-batch, without gradients: the reference's log-probs (None without a KL term),
+    and the old policy's when mu > 1 (else None: the old policy is the current one, detached)."""
+    with torch.no_grad():
+        reference = [None] * len(batches)
+        if models.uses_kl:
+            with reference_model(models) as ref:
+                reference = [log_probs_of(ref, batch)[0] for batch in batches]
+        old = [log_probs_of(models.policy, batch)[0] for batch in batches] if with_old else None
+    return reference, old
+
+
+def clip_and_step(
+    parameters: list[torch.Tensor],
+    optimizer: torch.optim.Optimizer,
+    scheduler: torch.optim.lr_scheduler.LRScheduler,
+    max_grad_norm: float,
+) -> float:
+    """Clip the gradients and step, unless their norm is not finite (the step is skipped); then
+    free them. Returns the norm before clipping."""
+    norm = torch.nn.utils.clip_grad_norm_(parameters, max_grad_norm or math.inf)
+    grad_norm = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)  # FSDP: a DTensor
+    if math.isfinite(grad_norm):
+        optimizer.step()
+        scheduler.step()
+    # Free the gradients now rather than at the next update: kept, they would sit through the
+    # next step's sampling, the peak of many runs (the memory planner counts them in the update).
+    optimizer.zero_grad(set_to_none=True)
+    return grad_norm
+
+
+def micro_batches(
+    rollout: Rollout, advantages: Advantages, trainer: TrainerConfig, device: torch.device, place: Distributed
+) -> tuple[list[MicroBatch], StepSize]:
     """The rollout cut into micro-batches of trainer.micro_batch_size rows (all at once for 0) on
     `device`, with the loss mask (less truncated completions under trainer.mask_truncated), and
     the loss denominators of the whole step, over all ranks: each rank's loss is then its share
@@ -328,8 +375,12 @@ def micro_batches(rollout: Rollout, advantages: Advantages, trainer: TrainerConf
     advantage_values = advantages.values.to(device)
     count = completion_ids.shape[0]
     size = trainer.micro_batch_size or count
-    batches = [micro_batch(slice(start, start + size), prompt_ids, prompt_mask, completion_ids, mask, loss_mask,
-                           advantage_values) for start in range(0, count, size)]
+    batches = [
+        micro_batch(
+            slice(start, start + size), prompt_ids, prompt_mask, completion_ids, mask, loss_mask, advantage_values
+        )
+        for start in range(0, count, size)
+    ]
     # The sampler pads every completion to max_new_tokens, so T is Dr. GRPO's constant.
     sequences, tokens = sum_over_ranks([count, float(loss_mask.sum())], place)
     return batches, StepSize(sequences=int(sequences), tokens=int(tokens), max_new_tokens=completion_ids.shape[1])

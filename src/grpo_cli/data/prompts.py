@@ -47,24 +47,32 @@ def read_rows(path: str, limit: int | None = None) -> list[dict[str, Any]]:
             "Save it as UTF-8, or check that the path names the data file and not a binary one."
         ) from error
     except PermissionError as error:
-        raise ConfigError(f"Data file {path} cannot be read: permission denied. Make it readable "
-                          f"(chmod a+r {path}).") from error
+        raise ConfigError(
+            f"Data file {path} cannot be read: permission denied. Make it readable (chmod a+r {path})."
+        ) from error
     except (ValueError, OSError) as error:
-        raise ConfigError(f"Data file {path} could not be read as {suffix[1:]}: {error}. Fix the file "
-                          f"(or convert it to one of {', '.join(FILE_FORMATS)}).") from error
+        raise ConfigError(
+            f"Data file {path} could not be read as {suffix[1:]}: {error}. Fix the file "
+            f"(or convert it to one of {', '.join(FILE_FORMATS)})."
+        ) from error
     bad = next((i for i, row in enumerate(rows) if not isinstance(row, dict)), None)
     if bad is not None:
         raise ConfigError(f"Data file {path}: record {bad + 1} is not an object with named fields.")
     if not rows:
-        raise ConfigError(f"Data file {path} holds no records. Give data.path / data.eval_path a "
-                          "file with at least one.")
+        raise ConfigError(
+            f"Data file {path} holds no records. Give data.path / data.eval_path a file with at least one."
+        )
     return rows
 
 
 # What a path that is not a regular file is, by its stat mode. None of them is opened: reading
 # a FIFO would wait for a writer, and a device may never end.
-SPECIAL_FILES = ((stat.S_ISFIFO, "a FIFO"), (stat.S_ISSOCK, "a socket"),
-                 (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"))
+SPECIAL_FILES = (
+    (stat.S_ISFIFO, "a FIFO"),
+    (stat.S_ISSOCK, "a socket"),
+    (stat.S_ISCHR, "a character device"),
+    (stat.S_ISBLK, "a block device"),
+)
 
 
 def _not_a_regular_file(file: Path) -> Optional[str]:
@@ -74,11 +82,15 @@ def _not_a_regular_file(file: Path) -> Optional[str]:
         mode = file.stat().st_mode
     except OSError as error:
         if error.errno == errno.ELOOP:
-            return ("is a symlink loop (its links lead back to themselves, never to a file). Point "
-                    "the link at the data file, or give the file itself in data.path / data.eval_path.")
+            return (
+                "is a symlink loop (its links lead back to themselves, never to a file). Point "
+                "the link at the data file, or give the file itself in data.path / data.eval_path."
+            )
         if file.is_symlink():
-            return (f"is a symlink to {os.readlink(file)}, which does not exist. Fix the link, or "
-                    "give the file itself in data.path / data.eval_path.")
+            return (
+                f"is a symlink to {os.readlink(file)}, which does not exist. Fix the link, or "
+                "give the file itself in data.path / data.eval_path."
+            )
         if error.errno in (errno.ENOENT, errno.ENOTDIR):
             return "does not exist. Check data.path / data.eval_path."
         return f"cannot be looked at ({error.strerror}). Check data.path / data.eval_path."
@@ -86,9 +98,11 @@ def _not_a_regular_file(file: Path) -> Optional[str]:
         return "is a folder, not a file. Give the file itself in data.path / data.eval_path."
     for test, kind in SPECIAL_FILES:
         if test(mode):
-            return (f"is {kind}, not a regular file, so it was not opened: validation reads every "
-                    "record before the run starts. Save the data to a file and give that in data.path "
-                    "/ data.eval_path.")
+            return (
+                f"is {kind}, not a regular file, so it was not opened: validation reads every "
+                "record before the run starts. Save the data to a file and give that in data.path "
+                "/ data.eval_path."
+            )
     return None
 
 
@@ -190,11 +204,17 @@ def train_and_eval_rows(data: DataConfig) -> tuple[list[dict[str, Any]], list[di
 
 
 def _holdout_problem(data: DataConfig, rows: list[dict[str, Any]]) -> Optional[str]:
-    if (data.eval_holdout < len(rows) or data.eval_path or synthetic_task_name(data.path) is not None
-            or data.eval_size <= 0):
+    if (
+        data.eval_holdout < len(rows)
+        or data.eval_path
+        or synthetic_task_name(data.path) is not None
+        or data.eval_size <= 0
+    ):
         return None
-    return (f"data.eval_holdout={data.eval_holdout} leaves no training prompt: {data.path} holds "
-            f"{len(rows)} rows. Hold out fewer, or give data.eval_path.")
+    return (
+        f"data.eval_holdout={data.eval_holdout} leaves no training prompt: {data.path} holds "
+        f"{len(rows)} rows. Hold out fewer, or give data.eval_path."
+    )
 
 
 def _unknown_task(path: str) -> str:
@@ -204,8 +224,9 @@ def _unknown_task(path: str) -> str:
     )
 
 
-def data_problems(data: DataConfig, model: Optional[tuple[Any, Optional[int]]] = None,
-                  max_new_tokens: int = 0) -> list[str]:
+def data_problems(
+    data: DataConfig, model: Optional[tuple[Any, Optional[int]]] = None, max_new_tokens: int = 0
+) -> list[str]:
     """The data checks of `validate`: every file exists and parses, every record has a prompt
     (non-empty text) and an answer (not null), no column takes the name of a reward function's
     own argument, and (given `model` = (tokenizer, context length)) every formatted prompt plus
@@ -261,8 +282,11 @@ def _value_problems(data: DataConfig, key: str, path: str, rows: list[dict[str, 
     the reward call's own arguments. Missing fields are _field_problems' to report."""
     problems = []
     prompt, answer = data.prompt_field, data.answer_field
-    bad = [(number, row[prompt]) for number, row in enumerate(rows, start=1)
-           if prompt in row and not (isinstance(row[prompt], str) and row[prompt].strip())]
+    bad = [
+        (number, row[prompt])
+        for number, row in enumerate(rows, start=1)
+        if prompt in row and not (isinstance(row[prompt], str) and row[prompt].strip())
+    ]
     if bad:
         number, value = bad[0]
         more = f" (and {len(bad) - 1} more)" if len(bad) > 1 else ""
@@ -308,15 +332,24 @@ def _describe(value: Any) -> str:
     return f"{kind} {_SHORT.repr(value)}"
 
 
-def _length_problems(data: DataConfig, key: str, path: str, rows: list[dict[str, Any]],
-                     tokenizer, context: Optional[int], max_new_tokens: int) -> list[str]:
+def _length_problems(
+    data: DataConfig,
+    key: str,
+    path: str,
+    rows: list[dict[str, Any]],
+    tokenizer,
+    context: Optional[int],
+    max_new_tokens: int,
+) -> list[str]:
     """Prompt tokens + max_new_tokens must fit in the model's positions, or generation fails
     (or silently degrades) mid-run on the first long prompt."""
     if context is None:
         return []
     if max_new_tokens >= context:
-        return [f"sampler.max_new_tokens={max_new_tokens} leaves no room for a prompt in the "
-                f"model's context of {context} positions (max_position_embeddings). Lower it."]
+        return [
+            f"sampler.max_new_tokens={max_new_tokens} leaves no room for a prompt in the "
+            f"model's context of {context} positions (max_position_embeddings). Lower it."
+        ]
     try:
         lengths = prompt_lengths(data, rows, tokenizer)
     except ConfigError as error:
@@ -365,8 +398,9 @@ class PromptSource:
     """Hands out PromptBatch after PromptBatch, epoch after epoch, in a resumable order. Each
     batch is data.prompts_per_step prompts, or this rank's share of them under torchrun."""
 
-    def __init__(self, data: DataConfig, tokenizer, rows: list[dict[str, Any]] | None = None,
-                 place: Distributed = SINGLE):
+    def __init__(
+        self, data: DataConfig, tokenizer, rows: list[dict[str, Any]] | None = None, place: Distributed = SINGLE
+    ):
         self.data = data
         self.place = place  # under torchrun: every rank walks the same order and keeps its share
         self.tokenizer = tokenizer
@@ -400,13 +434,10 @@ class PromptSource:
     def make_batch(self, rows: list[dict[str, Any]]) -> PromptBatch:
         data = self.data
         texts = [
-            format_prompt(self.tokenizer, str(row[data.prompt_field]), data.system_prompt, self.chat)
-            for row in rows
+            format_prompt(self.tokenizer, str(row[data.prompt_field]), data.system_prompt, self.chat) for row in rows
         ]
         # A chat template already writes the model's special tokens itself.
-        encoded = self.tokenizer(
-            texts, return_tensors="pt", padding=True, add_special_tokens=not self.chat
-        )
+        encoded = self.tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=not self.chat)
         columns = {key: [row.get(key) for row in rows] for key in rows[0] if key != data.prompt_field}
         columns["answer"] = [row.get(data.answer_field) for row in rows]
         return PromptBatch(

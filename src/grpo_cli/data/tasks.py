@@ -28,9 +28,7 @@ def addition_prompt(a: int, b: int) -> str:
 
 def addition_rows() -> list[Row]:
     """All 100 single-digit problems, in a fixed order."""
-    return [
-        {"prompt": addition_prompt(a, b), "answer": str(a + b)} for a in range(10) for b in range(10)
-    ]
+    return [{"prompt": addition_prompt(a, b), "answer": str(a + b)} for a in range(10) for b in range(10)]
 
 
 def addition_eval_rows(size: int, seed: int) -> list[Row]:
@@ -76,8 +74,7 @@ def arithmetic_rows(task: str, split: str) -> list[Row]:
     random.Random(f"arithmetic-{task}").shuffle(problems)
     held_out = round(len(problems) * ARITHMETIC_EVAL_SHARE)
     chosen = problems[:held_out] if split == "eval" else problems[held_out:]
-    return [{"prompt": f"What is {a} {op} {b}?", "answer": str(OPERATIONS[op](a, b))}
-            for a, op, b in chosen]
+    return [{"prompt": f"What is {a} {op} {b}?", "answer": str(OPERATIONS[op](a, b))} for a, op, b in chosen]
 
 
 SyntheticTask = tuple[Callable[[], list[Row]], Callable[[int, int], list[Row]]]
@@ -86,13 +83,15 @@ SYNTHETIC_TASKS: dict[str, SyntheticTask] = {
     "addition": (addition_rows, addition_eval_rows),
 }
 for _name in ARITHMETIC_TASKS:  # the held-out share is the eval, whatever the seed; `size` caps it
-    SYNTHETIC_TASKS[_name] = (functools.partial(arithmetic_rows, _name, "train"),
-                              lambda size, seed, _name=_name: arithmetic_rows(_name, "eval")[:size])
+    SYNTHETIC_TASKS[_name] = (
+        functools.partial(arithmetic_rows, _name, "train"),
+        lambda size, seed, _name=_name: arithmetic_rows(_name, "eval")[:size],
+    )
 SYNTHETIC_PREFIX = "synthetic:"
 
 
 def synthetic_task_name(path: str) -> str | None:
     """`synthetic:addition` -> `addition`; None for anything that is not a synthetic task name."""
     if path.startswith(SYNTHETIC_PREFIX):
-        return path[len(SYNTHETIC_PREFIX):]
+        return path[len(SYNTHETIC_PREFIX) :]
     return None

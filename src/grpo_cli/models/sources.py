@@ -33,7 +33,7 @@ def resolve_model(name_or_path: str) -> str:
         from grpo_cli.models.pretrained import WHEEL_MODELS, wheel_model_folder
         from grpo_cli.models.tiny import TINY_MODELS, tiny_model_folder
 
-        name = name_or_path[len(BUILTIN_PREFIX):]
+        name = name_or_path[len(BUILTIN_PREFIX) :]
         if name in TINY_MODELS:
             return tiny_model_folder(name, cache_root())
         if name in WHEEL_MODELS:

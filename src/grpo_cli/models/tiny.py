@@ -119,9 +119,7 @@ def init_model(spec: TinySpec, tokenizer: PreTrainedTokenizerFast) -> Qwen2ForCa
     return Qwen2ForCausalLM(config)
 
 
-def warm_start(
-    model: Qwen2ForCausalLM, tokenizer: PreTrainedTokenizerFast, rows: list[dict], spec: TinySpec
-) -> float:
+def warm_start(model: Qwen2ForCausalLM, tokenizer: PreTrainedTokenizerFast, rows: list[dict], spec: TinySpec) -> float:
     """Supervised steps on `prompt answer<eos>`, loss on the answer tokens only.
 
     Returns the greedy accuracy over all `rows` afterwards.
@@ -165,5 +163,5 @@ def greedy_accuracy(model, tokenizer, rows: list[dict], max_new_tokens: int = 4)
         pad_token_id=tokenizer.pad_token_id,
         eos_token_id=tokenizer.eos_token_id,
     )
-    texts = tokenizer.batch_decode(output[:, encoded["input_ids"].shape[1]:], skip_special_tokens=True)
+    texts = tokenizer.batch_decode(output[:, encoded["input_ids"].shape[1] :], skip_special_tokens=True)
     return sum(exact_match([], texts, [row["answer"] for row in rows])) / len(rows)

@@ -161,12 +161,15 @@ def local_config(name_or_path: str, trust_remote_code: bool = False) -> Optional
     if not is_folder and (folder.exists() or source.count("/") != 1):
         return None  # a path without config.json, or not the `owner/name` of a hub id
     try:
-        return AutoConfig.from_pretrained(str(folder) if is_folder else source, local_files_only=True,
-                                          trust_remote_code=trust_remote_code)
+        return AutoConfig.from_pretrained(
+            str(folder) if is_folder else source, local_files_only=True, trust_remote_code=trust_remote_code
+        )
     except (OSError, ValueError) as error:
         if is_folder:
-            raise ConfigError(f"model.name_or_path={name_or_path}: {folder / 'config.json'} cannot be "
-                              f"read ({str(error).strip().splitlines()[0]}).") from None
+            raise ConfigError(
+                f"model.name_or_path={name_or_path}: {folder / 'config.json'} cannot be "
+                f"read ({str(error).strip().splitlines()[0]})."
+            ) from None
         return None  # not in the local Hugging Face cache
 
 
@@ -174,13 +177,15 @@ def architecture_from_hf(config: Any, source: str = "") -> Architecture:
     """From a transformers config (a Qwen2/Llama-style decoder)."""
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     if any(getattr(text, key, None) for key in ("num_experts", "num_local_experts", "n_routed_experts")):
-        raise ConfigError(f"{source}: a mixture-of-experts model; the memory planner counts dense "
-                          "Qwen2/Llama-style decoders only.")
+        raise ConfigError(
+            f"{source}: a mixture-of-experts model; the memory planner counts dense Qwen2/Llama-style decoders only."
+        )
     needed = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "vocab_size")
     lacking = [key for key in needed if getattr(text, key, None) is None]
     if lacking:
-        raise ConfigError(f"{source}: no {', '.join(lacking)}; the memory planner counts Qwen2/Llama-style "
-                          "decoders only.")
+        raise ConfigError(
+            f"{source}: no {', '.join(lacking)}; the memory planner counts Qwen2/Llama-style decoders only."
+        )
     heads = int(text.num_attention_heads)
     model_type = str(getattr(text, "model_type", "") or "")
     qwen2 = model_type == "qwen2"
@@ -212,13 +217,17 @@ def architecture_from_block(block: Any, name_or_path: str, key: str = "model.arc
     values = OmegaConf.to_container(block) if OmegaConf.is_config(block) else dict(block)
     missing = [name for name, value in values.items() if value == "???"]
     if missing:
-        raise ConfigError(f"{key} of {name_or_path}: {', '.join(missing)} not set. Copy them from the "
-                          "model's config.json.")
+        raise ConfigError(
+            f"{key} of {name_or_path}: {', '.join(missing)} not set. Copy them from the model's config.json."
+        )
     model_type = values.pop("model_type")
     try:
-        config = AutoConfig.for_model(str(model_type), **{name: value for name, value in values.items()
-                                                          if value is not None})
+        config = AutoConfig.for_model(
+            str(model_type), **{name: value for name, value in values.items() if value is not None}
+        )
     except ValueError:
-        raise ConfigError(f"{key}.model_type={model_type!r} ({name_or_path}) is not a model type transformers "
-                          "knows; copy it from the model's config.json (qwen2, llama, mistral, ...).") from None
+        raise ConfigError(
+            f"{key}.model_type={model_type!r} ({name_or_path}) is not a model type transformers "
+            "knows; copy it from the model's config.json (qwen2, llama, mistral, ...)."
+        ) from None
     return architecture_from_hf(config, source=f"{key} of {name_or_path}")

@@ -52,8 +52,9 @@ def rank_share(cfg: Any, place: Distributed) -> Any:
     return share
 
 
-def plan_for(cfg: Any, device: torch.device, prompt_rows: Optional[list[dict[str, Any]]],
-             place: Distributed = SINGLE) -> MemoryPlan:
+def plan_for(
+    cfg: Any, device: torch.device, prompt_rows: Optional[list[dict[str, Any]]], place: Distributed = SINGLE
+) -> MemoryPlan:
     """The plan of this process: its share of the step's prompts, the prompts padded to the
     longest of `prompt_rows` when the tokenizer is on this machine (else memory.py's guess)."""
     share = rank_share(cfg, place)
@@ -61,8 +62,9 @@ def plan_for(cfg: Any, device: torch.device, prompt_rows: Optional[list[dict[str
     if place.world_size > 1:
         plan.assumptions.append(f"this rank's {share.data.prompts_per_step} of {cfg.data.prompts_per_step} prompts")
         if place.mode == "fsdp":
-            plan.assumptions.append("held rows are whole copies: FSDP keeps 1/N of them on each rank, so the "
-                                    "plan overstates them")
+            plan.assumptions.append(
+                "held rows are whole copies: FSDP keeps 1/N of them on each rank, so the plan overstates them"
+            )
     return plan
 
 
@@ -74,8 +76,9 @@ def _longest_prompt(cfg: Any, rows: Optional[list[dict[str, Any]]]) -> Optional[
     return max(prompt_lengths(cfg.data, rows, local[0])) if local is not None else None
 
 
-def check_memory(cfg: Any, device: torch.device, prompt_rows: list[dict[str, Any]], output_dir: Path,
-                 place: Distributed = SINGLE) -> None:
+def check_memory(
+    cfg: Any, device: torch.device, prompt_rows: list[dict[str, Any]], output_dir: Path, place: Distributed = SINGLE
+) -> None:
     """Print and save the plan (rank 0), then raise ConfigError on every rank if the plan does
     not fit some rank's budget, unless trainer.plan_force. A model the planner cannot count
     (not a Qwen2/Llama-style decoder) is said so and trained without a plan."""
@@ -95,18 +98,21 @@ def check_memory(cfg: Any, device: torch.device, prompt_rows: list[dict[str, Any
         return
     if not over:  # another rank's budget is the one exceeded; it names the fixes
         raise ConfigError("the memory plan does not fit on another rank (see its message); nothing was loaded.")
-    raise ConfigError(not_fitting_message(rank_share(cfg, place), plan, budget, "the run stopped before "
-                                          "loading any weight"))
+    raise ConfigError(
+        not_fitting_message(rank_share(cfg, place), plan, budget, "the run stopped before loading any weight")
+    )
 
 
 def not_fitting_message(cfg: Any, plan: MemoryPlan, budget: Budget, consequence: str) -> str:
     fixes = cheapest_fixes(cfg, plan, budget.bytes)
     ranked = format_fixes(fixes, budget.bytes) or "(none of the planner's fixes lowers this peak)"
-    return (f"the memory plan above peaks at {plan.peak_bytes / GB:.2f} GB ({plan.peak_phase}), more than "
-            f"the {budget.bytes / GB:.2f} GB budget ({budget.source}), so {consequence}. The cheapest "
-            "changes, each with the peak it gives together with those above it:\n"
-            f"{ranked}\nApply them as overrides, or set trainer.plan_force=true to train anyway "
-            "(the plan is an estimate: docs/MEMORY.md says how close it comes).")
+    return (
+        f"the memory plan above peaks at {plan.peak_bytes / GB:.2f} GB ({plan.peak_phase}), more than "
+        f"the {budget.bytes / GB:.2f} GB budget ({budget.source}), so {consequence}. The cheapest "
+        "changes, each with the peak it gives together with those above it:\n"
+        f"{ranked}\nApply them as overrides, or set trainer.plan_force=true to train anyway "
+        "(the plan is an estimate: docs/MEMORY.md says how close it comes)."
+    )
 
 
 def print_plan(cfg: Any) -> None:
@@ -125,7 +131,10 @@ def print_plan(cfg: Any) -> None:
     budget = memory_budget(cfg.trainer, device)
     print(format_plan(plan, budget.bytes if budget else None), flush=True)
     if budget is None:
-        print("No budget: this machine has no GPU; set trainer.memory_budget_gb=N to check the plan "
-              "against a card's memory.", flush=True)
+        print(
+            "No budget: this machine has no GPU; set trainer.memory_budget_gb=N to check the plan "
+            "against a card's memory.",
+            flush=True,
+        )
     elif plan.peak_bytes > budget.bytes:
         print(not_fitting_message(cfg, plan, budget, "a run would stop before loading"), flush=True)

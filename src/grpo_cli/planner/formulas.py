@@ -72,8 +72,11 @@ def optimizer_bytes(target: str, weights: Sequence[Weight], dtype_bytes: int) ->
         small = [w for w in weights if w.numel < ADAM8_MIN_SIZE]
         total = sum((2 * w.numel + 2 * 4 * ceil_div(w.numel, ADAM8_BLOCK)) * w.copies for w in large)
         total += 2 * 4 * parameter_count(small) + (ADAM8_MAPS_BYTES if large else 0)
-        return Amount(total, f"2 x 1 B + 2 x 4 B per {ADAM8_BLOCK} for {sum(w.copies for w in large)} tensors; "
-                             f"2 x 4 B for {sum(w.copies for w in small)} under {ADAM8_MIN_SIZE} elements")
+        return Amount(
+            total,
+            f"2 x 1 B + 2 x 4 B per {ADAM8_BLOCK} for {sum(w.copies for w in large)} tensors; "
+            f"2 x 4 B for {sum(w.copies for w in small)} under {ADAM8_MIN_SIZE} elements",
+        )
     # torch Adam/AdamW: exp_avg and exp_avg_sq shaped like the parameter, a float32 step per tensor
     note = f"2 states x {dtype_bytes} B per param + 4 B step per tensor"
     if "adam" not in target.lower():
@@ -81,8 +84,9 @@ def optimizer_bytes(target: str, weights: Sequence[Weight], dtype_bytes: int) ->
     return Amount(2 * parameter_count(weights) * dtype_bytes + 4 * sum(w.copies for w in weights), note)
 
 
-def layer_saved_bytes(arch: Architecture, act: int, sequence: int, full: bool,
-                      adapted: Sequence[Linear], rank: int) -> int:
+def layer_saved_bytes(
+    arch: Architecture, act: int, sequence: int, full: bool, adapted: Sequence[Linear], rank: int
+) -> int:
     """Bytes one decoder layer keeps for its backward, per token. Counted tensor by tensor with
     saved-tensor hooks (transformers 5 sdpa attention, torch 2.13)."""
     h, i, heads = arch.hidden_size, arch.intermediate_size, arch.num_heads
@@ -106,9 +110,18 @@ def layer_saved_bytes(arch: Architecture, act: int, sequence: int, full: bool,
     return total + 4 * sum(inputs.values()) + 4 * rank * len(adapted)
 
 
-def update_amounts(arch: Architecture, act: int, count: int, prompt: int, new: int, full: bool,
-                   adapted: Sequence[Linear], rank: int, checkpointing: bool,
-                   prompt_pass_group: int = 1) -> tuple[Amount, Amount]:
+def update_amounts(
+    arch: Architecture,
+    act: int,
+    count: int,
+    prompt: int,
+    new: int,
+    full: bool,
+    adapted: Sequence[Linear],
+    rank: int,
+    checkpointing: bool,
+    prompt_pass_group: int = 1,
+) -> tuple[Amount, Amount]:
     """One micro-batch of `count` completions: what its forward keeps for the backward, and the
     backward's peak on top of that. The backward starts at the logits [N, T+1, V]
     (logits_to_keep), kept by the log-softmax, with their gradient and two float32 blocks; each
@@ -125,9 +138,11 @@ def update_amounts(arch: Architecture, act: int, count: int, prompt: int, new: i
     if prompt_pass_group > 1:
         prompt_rows, width = count // prompt_pass_group, arch.num_heads * arch.head_dim
         tokens = prompt_rows * prompt + count * new
-        per_layer = (layer_saved_bytes(arch, act, prompt, full, adapted, rank) * prompt_rows * prompt
-                     + layer_saved_bytes(arch, act, sequence, full, adapted, rank) * count * new
-                     + 2 * act * width * count * prompt)
+        per_layer = (
+            layer_saved_bytes(arch, act, prompt, full, adapted, rank) * prompt_rows * prompt
+            + layer_saved_bytes(arch, act, sequence, full, adapted, rank) * count * new
+            + 2 * act * width * count * prompt
+        )
     final = (4 * arch.hidden_size + 4 + 2 * act * arch.head_dim) * tokens  # last norm; rotary cos, sin
     if full:
         final += act * arch.hidden_size * (tokens + count * (new + 1))  # its output; lm_head's input
@@ -135,14 +150,21 @@ def update_amounts(arch: Architecture, act: int, count: int, prompt: int, new: i
     logits = 2 * act * logit_elements + 2 * min(LOGIT_BLOCK_BYTES, 4 * logit_elements)
     layer_backward = 2 * 4 * arch.intermediate_size * tokens
     if checkpointing:
-        kept = Amount(arch.num_layers * act * arch.hidden_size * tokens + final,
-                      f"{arch.num_layers} layer inputs x {count} x {sequence} tokens (checkpointing)")
+        kept = Amount(
+            arch.num_layers * act * arch.hidden_size * tokens + final,
+            f"{arch.num_layers} layer inputs x {count} x {sequence} tokens (checkpointing)",
+        )
         layer_backward += per_layer
     else:
-        shape = (f"{count // prompt_pass_group} x {prompt} prompt + {count} x {new} completion tokens (prompt pass "
-                 "shared by each group)" if prompt_pass_group > 1 else f"{count} x {sequence} tokens")
-        kept = Amount(arch.num_layers * per_layer + final,
-                      f"{arch.num_layers} layers x {per_layer // tokens:,} B x {shape}")
+        shape = (
+            f"{count // prompt_pass_group} x {prompt} prompt + {count} x {new} completion tokens (prompt pass "
+            "shared by each group)"
+            if prompt_pass_group > 1
+            else f"{count} x {sequence} tokens"
+        )
+        kept = Amount(
+            arch.num_layers * per_layer + final, f"{arch.num_layers} layers x {per_layer // tokens:,} B x {shape}"
+        )
     if logits >= layer_backward:
         return kept, Amount(logits, f"logits {count}x{new + 1}x{arch.vocab_size} x {act} B, their grad, 2 blocks")
     recomputed = "recomputed activations + " if checkpointing else ""
@@ -161,8 +183,10 @@ def reference_amount(arch: Architecture, act: int, count: int, prompt: int, new:
     float32 blocks of the log-softmax, and the forward's own peak."""
     logit_elements = count * (new + 1) * arch.vocab_size
     total = act * logit_elements + 3 * min(LOGIT_BLOCK_BYTES, 4 * logit_elements)
-    return Amount(total + forward_bytes(arch, act, count, prompt + new),
-                  f"no-grad forward of {count} completions: logits, 3 blocks, 1 layer")
+    return Amount(
+        total + forward_bytes(arch, act, count, prompt + new),
+        f"no-grad forward of {count} completions: logits, 3 blocks, 1 layer",
+    )
 
 
 def sampling_amounts(arch: Architecture, act: int, count: int, prompt: int, new: int) -> tuple[Amount, Amount]:

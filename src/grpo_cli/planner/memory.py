@@ -50,8 +50,18 @@ from grpo_cli.planner.formulas import (
 )
 from grpo_cli.sampling.packed import PACK_MIN_WEIGHTS
 
-__all__ = ["architecture_of", "plan_memory", "cheapest_fixes", "format_plan", "format_fixes", "MemoryPlan", "Row",
-           "Fix", "GB", "DEFAULT_PROMPT_TOKENS"]
+__all__ = [
+    "architecture_of",
+    "plan_memory",
+    "cheapest_fixes",
+    "format_plan",
+    "format_fixes",
+    "MemoryPlan",
+    "Row",
+    "Fix",
+    "GB",
+    "DEFAULT_PROMPT_TOKENS",
+]
 
 GB = 1e9  # the table's unit, as memory/rss_gb in metrics.jsonl
 DEFAULT_PROMPT_TOKENS = 256  # a GSM8K question in a chat template is 100-250 tokens
@@ -102,8 +112,27 @@ class MemoryPlan:
         return sum(row.bytes for row in self.rows if row.name == name)
 
 
-def plan_memory(cfg: Any, prompt_tokens: Optional[int] = None, device: Optional[str] = None,
-                arch: Optional[Architecture] = None) -> MemoryPlan:
+@dataclass(frozen=True)
+class StepShape:
+    """The numbers of one step that every row is computed from."""
+
+    device: str  # cuda | cpu
+    dtype: str  # the weights' dtype name
+    size: int  # bytes per weight
+    quantization: str  # none | 8bit | 4bit
+    upcast: bool  # a quantized float16 policy runs its activations in float32 (peft's cast)
+    act: int  # bytes per activation
+    prompt_tokens: int
+    new_tokens: int
+    group: int  # the largest group size of the run (adaptive raises it)
+    completions: int  # per step
+    micro: int  # completions per forward/backward
+    uses_kl: bool
+
+
+def plan_memory(
+    cfg: Any, prompt_tokens: Optional[int] = None, device: Optional[str] = None, arch: Optional[Architecture] = None
+) -> MemoryPlan:
     """The memory plan of the composed config `cfg`, for one process.
 
     prompt_tokens: the padded prompt length, unknown before tokenizing (default
@@ -111,85 +140,149 @@ def plan_memory(cfg: Any, prompt_tokens: Optional[int] = None, device: Optional[
     trainer.device, where auto = cuda when torch sees one). arch: the model's shape (default:
     architecture_of(cfg.model)).
     """
-    model, trainer, sampler = cfg.model, cfg.trainer, cfg.sampler
-    arch = arch or architecture_of(model)
-    device = device or _device_kind(trainer.device)
+    arch = arch or architecture_of(cfg.model)
+    shape, assumptions = _step_shape(cfg, arch, device or _device_kind(cfg.trainer.device), prompt_tokens)
+    rows, trained, adapted, reference_here = _held_rows(cfg, arch, shape)
+    rows += _sampling_rows(cfg, arch, shape, trained if cfg.model.lora.enabled else (), "sampling", shape.completions)
+    for entry in cfg.reward.functions:  # held weights, and a phase after sampling
+        rows += _reward_model_rows(entry, shape.device, shape.prompt_tokens + shape.new_tokens)
+    rows += _update_rows(cfg, arch, shape, trained, adapted, reference_here)
+    if _has_eval(cfg.data):  # greedy, EVAL_BATCH prompts per generate (pass@k samples no more than a step)
+        prompts = min(cfg.data.eval_size, EVAL_BATCH)
+        rows += _sampling_rows(cfg, arch, shape, trained if cfg.model.lora.enabled else (), "eval", prompts)
+    return MemoryPlan(rows, arch, shape.device, shape.prompt_tokens, assumptions)
+
+
+def _step_shape(cfg: Any, arch: Architecture, device: str, prompt_tokens: Optional[int]) -> tuple[StepShape, list[str]]:
+    """The step's numbers, and the assumptions the plan rests on."""
+    model, sampler = cfg.model, cfg.sampler
     dtype = _dtype_name(model.dtype, device)
-    size, quantization, lora = DTYPE_BYTES[dtype], str(model.quantization).lower(), bool(model.lora.enabled)
+    quantization = str(model.quantization).lower()
     # models.load_models: under float16 a quantized policy goes through peft's float32 cast, which
     # carries into the residual stream; in bfloat16 or float32 nothing is cast.
     upcast = quantization != "none" and dtype == "float16"
-    act = 4 if upcast else size
     assumptions = [f"shape from {arch.source}", f"{dtype} on {device}, one process"]
     new = sampler.max_new_tokens
     if prompt_tokens is None:
         prompt_tokens = DEFAULT_PROMPT_TOKENS
         if arch.context_length:
             prompt_tokens = max(1, min(prompt_tokens, arch.context_length - new))
-        assumptions.append(f"prompts padded to {prompt_tokens} tokens: a guess, the length is known only "
-                           "after tokenizing")
+        assumptions.append(
+            f"prompts padded to {prompt_tokens} tokens: a guess, the length is known only after tokenizing"
+        )
     group = boosted_group_size(sampler) if sampler.adaptive.enabled else sampler.group_size
     completions = cfg.data.prompts_per_step * group
-    micro = trainer.micro_batch_size or completions
-    uses_kl = beta_schedule(trainer.beta).peak > 0
+    shape = StepShape(
+        device=device,
+        dtype=dtype,
+        size=DTYPE_BYTES[dtype],
+        quantization=quantization,
+        upcast=upcast,
+        act=4 if upcast else DTYPE_BYTES[dtype],
+        prompt_tokens=prompt_tokens,
+        new_tokens=new,
+        group=group,
+        completions=completions,
+        micro=cfg.trainer.micro_batch_size or completions,
+        uses_kl=beta_schedule(cfg.trainer.beta).peak > 0,
+    )
+    return shape, assumptions
 
+
+def _held_rows(cfg: Any, arch: Architecture, shape: StepShape):
+    """What the whole step holds: the policy's weights, a LoRA adapter, the optimizer states and
+    a full fine-tune's reference. Also returns the trained weights, the LoRA-adapted linears,
+    and whether the reference is on this device."""
+    model = cfg.model
     weights = model_weights(arch)
-    base = weight_bytes(weights, size, quantization, upcast)
-    rows = [Row("policy weights", base, _weights_note(weights, dtype, quantization, upcast))]
-    trained, trained_size, adapted = weights, size, ()
-    if lora:  # peft keeps the adapter in float32 whatever the base (autocast_adapter_dtype)
+    base = weight_bytes(weights, shape.size, shape.quantization, shape.upcast)
+    rows = [Row("policy weights", base, _weights_note(weights, shape.dtype, shape.quantization, shape.upcast))]
+    trained, trained_size, adapted = weights, shape.size, ()
+    if model.lora.enabled:  # peft keeps the adapter in float32 whatever the base (autocast_adapter_dtype)
         trained, trained_size = lora_weights(arch, model.lora.r, model.lora.target_modules), 4
         adapted = lora_targets(arch, model.lora.target_modules)
-        rows.append(Row("LoRA adapter", 4 * parameter_count(trained),
-                        f"{parameter_count(trained):,} params = r {model.lora.r} x (in + out) of "
-                        f"{len(adapted)} linears x {arch.num_layers} layers, x 4 B"))
-    count = parameter_count(trained)
-    gradients = Row("gradients", count * trained_size, f"{count:,} trainable params x {trained_size} B", "update")
+        count = parameter_count(trained)
+        note = f"{count:,} params = r {model.lora.r} x (in + out) of {len(adapted)} linears x {arch.num_layers} layers, x 4 B"
+        rows.append(Row("LoRA adapter", 4 * count, note))
     states = optimizer_bytes(str(cfg.optimizer._target_), trained, trained_size)
     rows.append(Row("optimizer states", states.bytes, f"{cfg.optimizer._target_}: {states.note}"))
     reference_here = True  # with LoRA the reference is the base model, adapter off
-    if uses_kl and not lora:
+    if shape.uses_kl and not model.lora.enabled:
         where = str(model.reference_device).lower()
-        reference_here = where == "same" or _device_kind(where) == device
-        rows.append(Row("reference model", base, "a frozen copy of the policy weights, on "
-                        + ("the policy's device" if where == "same" else where),
-                        on_device=reference_here))
-    rows += [_row(f"sampling {what}", amount, "sampling")
-             for what, amount in zip(("KV cache", "work"), sampling_amounts(arch, act, completions, prompt_tokens, new))]
-    packed = packed_linear_weights(cfg, arch, device, dtype, trained if lora else ())
+        reference_here = where == "same" or _device_kind(where) == shape.device
+        note = "a frozen copy of the policy weights, on " + ("the policy's device" if where == "same" else where)
+        rows.append(Row("reference model", base, note, on_device=reference_here))
+    return rows, trained, adapted, reference_here
+
+
+def _sampling_rows(
+    cfg: Any, arch: Architecture, shape: StepShape, adapter: Sequence[Weight], phase: str, sequences: int
+) -> list[Row]:
+    """A decode of `sequences` rows (the step's sampling, or the eval's greedy batch): its KV
+    cache, its work, and the weights sampler=fast packs on a CPU."""
+    amounts = sampling_amounts(arch, shape.act, sequences, shape.prompt_tokens, shape.new_tokens)
+    rows = [_row(f"{phase} {what}", amount, phase) for what, amount in zip(("KV cache", "work"), amounts)]
+    packed = packed_linear_weights(cfg, arch, shape.device, shape.dtype, adapter)
     if packed:
-        rows.append(_row("sampling packed weights", packed, "sampling"))
-    for entry in cfg.reward.functions:  # held weights, and a phase after sampling
-        rows += _reward_model_rows(entry, device, prompt_tokens + new)
-    if uses_kl or trainer.num_iterations > 1:  # reference log-probs where the reference is; old ones here
-        reference = reference_amount(arch, act, micro, prompt_tokens, new)
-        rows.append(Row("reference pass", reference.bytes, reference.note, "reference pass",
-                        on_device=reference_here or trainer.num_iterations > 1))
+        rows.append(_row(f"{phase} packed weights", packed, phase))
+    return rows
+
+
+def _update_rows(
+    cfg: Any,
+    arch: Architecture,
+    shape: StepShape,
+    trained: Sequence[Weight],
+    adapted: Sequence[str],
+    reference_here: bool,
+) -> list[Row]:
+    """The frozen passes (reference, old policy) and the update: gradients, activations, backward."""
+    model, trainer = cfg.model, cfg.trainer
+    rows = []
+    if shape.uses_kl or trainer.num_iterations > 1:  # reference log-probs where the reference is; old ones here
+        reference = reference_amount(arch, shape.act, shape.micro, shape.prompt_tokens, shape.new_tokens)
+        here = reference_here or trainer.num_iterations > 1
+        rows.append(Row("reference pass", reference.bytes, reference.note, "reference pass", on_device=here))
     # update.update_policy's rule, and a model that keeps its cache in a forward with gradients
     # (gradient checkpointing drops it: update.keeps_cache)
-    prompt_pass_group = 1 if model.gradient_checkpointing else shared_prompt_pass_group(
-        trainer.share_prompt_pass, micro, group, launched_world_size() > 1)
-    kept, backward = update_amounts(arch, act, micro, prompt_tokens, new, not lora, adapted, model.lora.r,
-                                    bool(model.gradient_checkpointing), prompt_pass_group)
-    rows += [gradients, _row("update activations", kept, "update"), _row("update backward", backward, "update")]
-    if _has_eval(cfg.data):  # greedy, EVAL_BATCH prompts per generate (pass@k samples no more than a step)
-        prompts = min(cfg.data.eval_size, EVAL_BATCH)
-        rows += [_row(f"eval {what}", amount, "eval")
-                 for what, amount in zip(("KV cache", "work"), sampling_amounts(arch, act, prompts, prompt_tokens, new))]
-        if packed:
-            rows.append(_row("eval packed weights", packed, "eval"))
-    return MemoryPlan(rows, arch, device, prompt_tokens, assumptions)
+    distributed = launched_world_size() > 1
+    prompt_pass_group = (
+        1
+        if model.gradient_checkpointing
+        else shared_prompt_pass_group(trainer.share_prompt_pass, shape.micro, shape.group, distributed)
+    )
+    kept, backward = update_amounts(
+        arch,
+        shape.act,
+        shape.micro,
+        shape.prompt_tokens,
+        shape.new_tokens,
+        not model.lora.enabled,
+        adapted,
+        model.lora.r,
+        bool(model.gradient_checkpointing),
+        prompt_pass_group,
+    )
+    count = parameter_count(trained)
+    trained_size = 4 if model.lora.enabled else shape.size
+    gradients = Row("gradients", count * trained_size, f"{count:,} trainable params x {trained_size} B", "update")
+    return rows + [gradients, _row("update activations", kept, "update"), _row("update backward", backward, "update")]
 
 
-def packed_linear_weights(cfg: Any, arch: Architecture, device: str, dtype: str,
-                          adapter: Sequence[Weight]) -> Optional[Amount]:
+def packed_linear_weights(
+    cfg: Any, arch: Architecture, device: str, dtype: str, adapter: Sequence[Weight]
+) -> Optional[Amount]:
     """sampler=fast on a CPU in float32 (no autocast) decodes with a packed copy of the float32
     linear weights of at least PACK_MIN_WEIGHTS elements (sampling/fast.py, PackedLinears): the
     decoder's unless quantized, the head's, the adapter's. None where nothing is packed."""
     from grpo_cli.models.loading import resolve_autocast
 
-    if (device != "cpu" or dtype != "float32" or str(cfg.sampler.backend).lower() != "fast"
-            or resolve_autocast(str(cfg.model.autocast).lower(), device) != "none"):
+    if (
+        device != "cpu"
+        or dtype != "float32"
+        or str(cfg.sampler.backend).lower() != "fast"
+        or resolve_autocast(str(cfg.model.autocast).lower(), device) != "none"
+    ):
         return None
     linears = [Weight("lm_head.weight", arch.vocab_size, arch.hidden_size, 1, False), *adapter]
     if str(cfg.model.quantization).lower() == "none":  # bitsandbytes layers are not nn.Linear
@@ -197,8 +290,10 @@ def packed_linear_weights(cfg: Any, arch: Architecture, device: str, dtype: str,
     count = parameter_count([weight for weight in linears if weight.numel >= PACK_MIN_WEIGHTS])
     if not count:
         return None
-    return Amount(4 * count, f"{count:,} weights of linears of >= {PACK_MIN_WEIGHTS:,} x 4 B, packed for MKL's GEMM "
-                  "while decoding")
+    return Amount(
+        4 * count,
+        f"{count:,} weights of linears of >= {PACK_MIN_WEIGHTS:,} x 4 B, packed for MKL's GEMM while decoding",
+    )
 
 
 def _row(name: str, amount: Amount, phase: str = HELD) -> Row:
@@ -219,18 +314,35 @@ def _reward_model_rows(entry: Any, device: str, sequence: int) -> list[Row]:
         block = OmegaConf.merge(OmegaConf.structured(ArchitectureConfig), entry["architecture"])  # typed, defaults
         arch, labels = architecture_from_block(block, path, "reward.functions[].architecture"), 1
     else:
-        return [Row(f"reward model {path}", 0, "not counted: no config.json here; give the entry "
-                    "`architecture: {...}` to count it")]
+        return [
+            Row(
+                f"reward model {path}",
+                0,
+                "not counted: no config.json here; give the entry `architecture: {...}` to count it",
+            )
+        ]
     setting = str(entry.get("device", "auto")).lower()
     where = device if setting == "auto" else _device_kind(setting)
     dtype, quantization = _dtype_name(str(entry.get("dtype", "auto")), where), str(entry.get("quantization", "none"))
-    weights = [w for w in model_weights(arch) if w.name != "lm_head.weight"] \
-        + [Weight("score.weight", labels, arch.hidden_size, 1, False)]  # *ForSequenceClassification head
+    weights = [w for w in model_weights(arch) if w.name != "lm_head.weight"] + [
+        Weight("score.weight", labels, arch.hidden_size, 1, False)
+    ]  # *ForSequenceClassification head
     batch, length = int(entry.get("batch_size", 8)), min(int(entry.get("max_length", 1024)), sequence)
-    return [Row(f"reward model {path}", weight_bytes(weights, DTYPE_BYTES[dtype], quantization, upcast=False),
-                _weights_note(weights, dtype, quantization, upcast=False), on_device=where == device),
-            Row("reward scoring", forward_bytes(arch, DTYPE_BYTES[dtype], batch, length),
-                f"no-grad forward of {batch} x {length} tokens", "reward scoring", where == device)]
+    return [
+        Row(
+            f"reward model {path}",
+            weight_bytes(weights, DTYPE_BYTES[dtype], quantization, upcast=False),
+            _weights_note(weights, dtype, quantization, upcast=False),
+            on_device=where == device,
+        ),
+        Row(
+            "reward scoring",
+            forward_bytes(arch, DTYPE_BYTES[dtype], batch, length),
+            f"no-grad forward of {batch} x {length} tokens",
+            "reward scoring",
+            where == device,
+        ),
+    ]
 
 
 def _weights_note(weights: Sequence[Weight], dtype: str, quantization: str, upcast: bool) -> str:
@@ -293,8 +405,9 @@ def cheapest_fixes(cfg: Any, plan: MemoryPlan, budget_bytes: Optional[int] = Non
         if plan.peak_bytes - alone.peak_bytes <= negligible:
             continue
         cumulative = _replan(together, overrides, plan)
-        fixes.append(Fix(change, overrides, cost, plan.peak_bytes - alone.peak_bytes, alone.peak_bytes,
-                         cumulative.peak_bytes))
+        fixes.append(
+            Fix(change, overrides, cost, plan.peak_bytes - alone.peak_bytes, alone.peak_bytes, cumulative.peak_bytes)
+        )
         if budget_bytes is not None and cumulative.peak_bytes <= budget_bytes:
             break
     return fixes
@@ -310,17 +423,32 @@ def _candidate_fixes(cfg: Any, plan: MemoryPlan) -> list[tuple[str, tuple[str, .
     model, trainer = cfg.model, cfg.trainer
     candidates = []
     if not str(cfg.optimizer._target_).endswith("8bit"):
-        candidates.append(("8-bit AdamW states", ("optimizer._target_=bitsandbytes.optim.AdamW8bit",),
-                           "optimizer states rounded to 8 bits"))
+        candidates.append(
+            (
+                "8-bit AdamW states",
+                ("optimizer._target_=bitsandbytes.optim.AdamW8bit",),
+                "optimizer states rounded to 8 bits",
+            )
+        )
     completions = cfg.data.prompts_per_step * cfg.sampler.group_size
     micro = trainer.micro_batch_size or completions
     smaller = max((size for size in range(1, micro // 2 + 1) if completions % size == 0), default=None)
     if smaller and not cfg.sampler.adaptive.enabled:
-        candidates.append((f"micro_batch_size {micro} -> {smaller}", (f"trainer.micro_batch_size={smaller}",),
-                           "more forward/backward passes, the same gradient"))
+        candidates.append(
+            (
+                f"micro_batch_size {micro} -> {smaller}",
+                (f"trainer.micro_batch_size={smaller}",),
+                "more forward/backward passes, the same gradient",
+            )
+        )
     if not model.gradient_checkpointing:
-        candidates.append(("gradient checkpointing", ("model.gradient_checkpointing=true",),
-                           "about a third more compute in the update"))
+        candidates.append(
+            (
+                "gradient checkpointing",
+                ("model.gradient_checkpointing=true",),
+                "about a third more compute in the update",
+            )
+        )
     if any(row.name == "reference model" and row.on_device for row in plan.rows):
         candidates.append(("reference on the CPU", ("model.reference_device=cpu",), "a slower reference pass"))
     if plan.device == "cuda" and _dtype_name(model.dtype, "cuda") == "float32":
@@ -328,8 +456,13 @@ def _candidate_fixes(cfg: Any, plan: MemoryPlan) -> list[tuple[str, tuple[str, .
     if not model.lora.enabled:
         candidates.append(("LoRA", ("model.lora.enabled=true",), "trains an adapter, not every weight"))
     if str(model.quantization) == "none":
-        candidates.append(("4-bit base (QLoRA)", ("model.quantization=4bit", "model.lora.enabled=true"),
-                           "a quantized base model under the adapter"))
+        candidates.append(
+            (
+                "4-bit base (QLoRA)",
+                ("model.quantization=4bit", "model.lora.enabled=true"),
+                "a quantized base model under the adapter",
+            )
+        )
     return candidates
 
 
@@ -350,8 +483,10 @@ def format_plan(plan: MemoryPlan, budget_bytes: Optional[int] = None) -> str:
         for row in (row for row in plan.rows if row.phase == phase):
             line(row.name, row.bytes, row.note)
         line(f"= {phase}", total, "<- peak" if phase == plan.peak_phase else "")
-    lines.append(f"peak: held {plan.held_bytes / GB:.2f} + {plan.peak_phase} "
-                 f"{plan.phase_bytes.get(plan.peak_phase, 0) / GB:.2f} = {plan.peak_bytes / GB:.2f} GB")
+    lines.append(
+        f"peak: held {plan.held_bytes / GB:.2f} + {plan.peak_phase} "
+        f"{plan.phase_bytes.get(plan.peak_phase, 0) / GB:.2f} = {plan.peak_bytes / GB:.2f} GB"
+    )
     if budget_bytes is not None:
         spare = budget_bytes - plan.peak_bytes
         verdict = f"fits, {spare / GB:.2f} GB to spare" if spare >= 0 else f"does not fit: {-spare / GB:.2f} GB over"
@@ -365,6 +500,8 @@ def format_fixes(fixes: Sequence[Fix], budget_bytes: Optional[int] = None) -> st
     lines = []
     for index, fix in enumerate(fixes, start=1):
         fits = "" if budget_bytes is None else (" fits" if fix.cumulative_peak <= budget_bytes else "")
-        lines.append(f"{index}. {fix.change} ({' '.join(fix.overrides)}): -{fix.saving / GB:.2f} GB alone, "
-                     f"peak {fix.cumulative_peak / GB:.2f} GB with 1-{index}{fits}; cost: {fix.cost}")
+        lines.append(
+            f"{index}. {fix.change} ({' '.join(fix.overrides)}): -{fix.saving / GB:.2f} GB alone, "
+            f"peak {fix.cumulative_peak / GB:.2f} GB with 1-{index}{fits}; cost: {fix.cost}"
+        )
     return "\n".join(lines)

@@ -109,8 +109,13 @@ def time_limit(seconds: float | None) -> Iterator[None]:
         signal.signal(signal.SIGALRM, previous)
 
 
-def call_reward(function: RewardFunction, prompts: list[str], completions: list[str],
-                columns: dict[str, list[Any]], timeout: float | None = None) -> RewardCall:
+def call_reward(
+    function: RewardFunction,
+    prompts: list[str],
+    completions: list[str],
+    columns: dict[str, list[Any]],
+    timeout: float | None = None,
+) -> RewardCall:
     """Call one reward function on a batch, never raising.
 
     - The batch call raises (SystemExit included: libraries call sys.exit): the function is
@@ -133,12 +138,17 @@ def call_reward(function: RewardFunction, prompts: list[str], completions: list[
         with time_limit(timeout):
             returned = function.fn(list(prompts), list(completions), **passed)
             if isinstance(returned, (Mapping, Set, str, bytes)) or not isinstance(returned, Iterable):
-                return RewardCall([None] * count, count, f"returned a {type(returned).__name__}; a reward "
-                                  "function returns a list of one number (or None) per completion")
+                return RewardCall(
+                    [None] * count,
+                    count,
+                    f"returned a {type(returned).__name__}; a reward "
+                    "function returns a list of one number (or None) per completion",
+                )
             values = list(returned)  # within the limit: a generator runs here
     except RewardTimeout:
-        return RewardCall([None] * count, count, f"ran longer than reward.timeout_s={timeout:g} s on "
-                          f"{count} completions")
+        return RewardCall(
+            [None] * count, count, f"ran longer than reward.timeout_s={timeout:g} s on {count} completions"
+        )
     except (Exception, SystemExit) as error:  # a user's function may fail in any way; the run goes on
         if count == 1:
             return RewardCall([None], 1, f"raised {type(error).__name__}: {error}")
@@ -157,13 +167,18 @@ def call_reward(function: RewardFunction, prompts: list[str], completions: list[
     return RewardCall(scores, failures, why)
 
 
-def _call_one_by_one(function: RewardFunction, prompts: list[str], completions: list[str],
-                     passed: dict[str, list[Any]], timeout: float | None) -> RewardCall:
+def _call_one_by_one(
+    function: RewardFunction,
+    prompts: list[str],
+    completions: list[str],
+    passed: dict[str, list[Any]],
+    timeout: float | None,
+) -> RewardCall:
     scores: list[float | None] = []
     failures, why = 0, None
     for index in range(len(completions)):
-        single = {key: values[index:index + 1] for key, values in passed.items()}
-        result = call_reward(function, prompts[index:index + 1], completions[index:index + 1], single, timeout)
+        single = {key: values[index : index + 1] for key, values in passed.items()}
+        result = call_reward(function, prompts[index : index + 1], completions[index : index + 1], single, timeout)
         scores.append(result.values[0] if len(result.values) == 1 else None)
         failures += result.failures
         why = why or result.error
@@ -198,9 +213,16 @@ class RewardScorer:
     completions of one call stops the run with a RewardError naming it and its first error.
     """
 
-    def __init__(self, entries: Any, clip: Any = None, normalize_each: bool = False,
-                 std_eps: float = 1e-4, max_error_fraction: float = 1.0, workers: int = 1,
-                 timeout: float | None = None):
+    def __init__(
+        self,
+        entries: Any,
+        clip: Any = None,
+        normalize_each: bool = False,
+        std_eps: float = 1e-4,
+        max_error_fraction: float = 1.0,
+        workers: int = 1,
+        timeout: float | None = None,
+    ):
         self.functions = build_reward_functions(entries, shared={"workers": workers})
         self.weights = {function.name: function.weight for function in self.functions}
         self.clip = (float(clip[0]), float(clip[1])) if clip is not None else None
@@ -213,15 +235,23 @@ class RewardScorer:
     def from_config(cls, reward: Any, std_eps: float) -> RewardScorer:
         """From the reward config group (functions, clip, normalize_each, max_error_fraction,
         workers, timeout_s) and trainer.std_eps."""
-        return cls(reward.functions, reward.clip, reward.normalize_each, std_eps,
-                   reward.max_error_fraction, reward.workers, reward.timeout_s)
+        return cls(
+            reward.functions,
+            reward.clip,
+            reward.normalize_each,
+            std_eps,
+            reward.max_error_fraction,
+            reward.workers,
+            reward.timeout_s,
+        )
 
     @property
     def names(self) -> list[str]:
         return [function.name for function in self.functions]
 
-    def score_texts(self, prompts: list[str], completions: list[str],
-                    columns: dict[str, list[Any]], shape: tuple[int, ...]) -> Rewards:
+    def score_texts(
+        self, prompts: list[str], completions: list[str], columns: dict[str, list[Any]], shape: tuple[int, ...]
+    ) -> Rewards:
         per_function, errors, error_counts = {}, {}, {}
         for function in self.functions:
             values, failures, error = call_reward(function, prompts, completions, columns, self.timeout)
@@ -253,6 +283,7 @@ class RewardScorer:
         columns = {**rollout.columns, "completion_length": rollout.completion_mask.sum(dim=1).tolist()}
         rewards = self.score_texts(rollout.prompts, rollout.completions, columns, shape)
         if self.normalize_each:
-            rewards.shaped = combine_rewards(rewards.per_function, self.weights, self.clip,
-                                             normalize_each=True, std_eps=self.std_eps)
+            rewards.shaped = combine_rewards(
+                rewards.per_function, self.weights, self.clip, normalize_each=True, std_eps=self.std_eps
+            )
         return rewards

@@ -58,17 +58,23 @@ def _passes(code: str, snippet: str, timeout: float, memory_mb: int) -> bool | N
     tests' process only, which the model's code cannot read, signal or write to."""
     marker = f"__grpo_tests_done_{secrets.token_hex(8)}__"
     solution = f"{REMOTE_CALL_SOURCE}\n\nserve_solution({code!r}, *map(int, sys.argv[1:3]))\n"
-    tests = (f"{REMOTE_CALL_SOURCE}\n\n"
-             f"run_tests({snippet!r}, *map(int, sys.argv[1:3]), marker={marker!r})\n")
+    tests = f"{REMOTE_CALL_SOURCE}\n\nrun_tests({snippet!r}, *map(int, sys.argv[1:3]), marker={marker!r})\n"
     solution_run, result = run_connected(solution, tests, timeout=timeout, memory_mb=memory_mb)
     if result.timed_out or solution_run.timed_out:  # its CPU-time limit can end the model's code
         return None  # while the tests wait on it: that is a timeout too, not a failed test
     return result.exit_code == 0 and result.stdout_tail.endswith(f"{marker}\n")
 
 
-def code_execution(prompts: list[str], completions: list[str], tests: list[Any],
-                   timeout: float = 5.0, timeout_penalty: float = -0.1, memory_mb: int = 512,
-                   workers: int = 4, **_: Any) -> list[float | None]:
+def code_execution(
+    prompts: list[str],
+    completions: list[str],
+    tests: list[Any],
+    timeout: float = 5.0,
+    timeout_penalty: float = -0.1,
+    memory_mb: int = 512,
+    workers: int = 4,
+    **_: Any,
+) -> list[float | None]:
     """Run each completion's code against its `tests` entry in the sandbox.
 
     The code is `extract_code(completion)`. A `tests` entry is
@@ -86,8 +92,11 @@ def code_execution(prompts: list[str], completions: list[str], tests: list[Any],
     """
     del prompts  # the tests say everything the reward needs
     snippets = [_test_snippets(entry) for entry in tests]
-    jobs = [(index, extract_code(completions[index]), snippet)
-            for index, entry in enumerate(snippets) for snippet in entry or []]
+    jobs = [
+        (index, extract_code(completions[index]), snippet)
+        for index, entry in enumerate(snippets)
+        for snippet in entry or []
+    ]
     with ThreadPoolExecutor(max_workers=max(1, workers)) as pool:
         outcomes = list(pool.map(lambda job: _passes(job[1], job[2], timeout, memory_mb), jobs))
     by_completion: dict[int, list[bool | None]] = {}

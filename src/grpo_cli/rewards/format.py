@@ -21,8 +21,14 @@ def _layout(pattern: Optional[str], tags: tuple[str, ...]) -> re.Pattern:
     return re.compile(rf"\s*{blocks}\s*", re.DOTALL)
 
 
-def format_reward(prompts: list[str], completions: list[str], pattern: Optional[str] = None,
-                  tags: Sequence[str] = ("think", "answer"), bonus: float = 0.5, **_: Any) -> list[float]:
+def format_reward(
+    prompts: list[str],
+    completions: list[str],
+    pattern: Optional[str] = None,
+    tags: Sequence[str] = ("think", "answer"),
+    bonus: float = 0.5,
+    **_: Any,
+) -> list[float]:
     """`bonus` when the whole completion has the layout, else 0.
 
     Default layout: `<think>...</think>` then `<answer>...</answer>`, whitespace around and
@@ -34,8 +40,14 @@ def format_reward(prompts: list[str], completions: list[str], pattern: Optional[
     return [bonus if layout.fullmatch(text) else 0.0 for text in completions]
 
 
-def length_penalty(prompts: list[str], completions: list[str], completion_length: Optional[list[int]] = None,
-                   target: int = 256, coef: float = 0.001, **_: Any) -> list[float]:
+def length_penalty(
+    prompts: list[str],
+    completions: list[str],
+    completion_length: Optional[list[int]] = None,
+    target: int = 256,
+    coef: float = 0.001,
+    **_: Any,
+) -> list[float]:
     """-coef * max(0, tokens - target): nothing up to `target` tokens, then a linear penalty.
 
     Tokens are the completion's own token count, which the trainer passes as
@@ -46,8 +58,9 @@ def length_penalty(prompts: list[str], completions: list[str], completion_length
     return [-coef * max(0, int(length) - target) for length in lengths]
 
 
-def repetition_penalty(prompts: list[str], completions: list[str], ngram: int = 3, coef: float = 1.0,
-                       **_: Any) -> list[float]:
+def repetition_penalty(
+    prompts: list[str], completions: list[str], ngram: int = 3, coef: float = 1.0, **_: Any
+) -> list[float]:
     """-coef * (fraction of the completion's word n-grams that repeat an earlier one).
 
     The usual cure for a policy that learns to loop ("output repeats"). Completions shorter
@@ -57,6 +70,6 @@ def repetition_penalty(prompts: list[str], completions: list[str], ngram: int = 
     scores = []
     for text in completions:
         words = text.split()
-        grams = [tuple(words[i:i + ngram]) for i in range(len(words) - ngram + 1)]
+        grams = [tuple(words[i : i + ngram]) for i in range(len(words) - ngram + 1)]
         scores.append(-coef * (len(grams) - len(set(grams))) / len(grams) if grams else 0.0)
     return scores

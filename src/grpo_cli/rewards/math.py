@@ -62,7 +62,7 @@ def _as_number(text: str) -> Optional[float]:
     if match is None:
         return None
     # Only treat the text as a number when little else is there (units and punctuation aside).
-    rest = (text[: match.start()] + text[match.end():]).strip(" .$")
+    rest = (text[: match.start()] + text[match.end() :]).strip(" .$")
     if rest and not re.fullmatch(r"[A-Za-z%]+", rest):
         return None
     value = match.group().replace("$", "").replace(",", "")
@@ -90,8 +90,9 @@ def _latex(text: str) -> str:
     return text if "$" in text else f"${text}$"
 
 
-def math_accuracy(prompts: list[str], completions: list[str], answer: list[Any], layout: Optional[str] = None,
-                  **_: Any) -> list[float]:
+def math_accuracy(
+    prompts: list[str], completions: list[str], answer: list[Any], layout: Optional[str] = None, **_: Any
+) -> list[float]:
     """1.0 when the completion's final answer equals the reference answer, else 0.0.
 
     Numbers are compared as numbers (thousands separators, `$`, units and a trailing period

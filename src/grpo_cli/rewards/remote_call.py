@@ -34,8 +34,7 @@ import types
 MAX_MESSAGE_BYTES = 16 << 20  # one call's arguments or one reply, as JSON
 MAX_DEPTH = 100  # nesting of containers in one value
 # Types that cross as themselves, with their JSON tag where JSON has no type of its own.
-TAGGED = {tuple: "tuple", set: "set", frozenset: "frozenset", dict: "dict", bytes: "bytes",
-          complex: "complex"}
+TAGGED = {tuple: "tuple", set: "set", frozenset: "frozenset", dict: "dict", bytes: "bytes", complex: "complex"}
 
 
 class WireError(Exception):
@@ -70,8 +69,9 @@ def encode(value, other, depth=0):
     if kind in (tuple, set, frozenset):
         return {TAGGED[kind]: [encode(item, other, depth + 1) for item in value]}
     if kind is dict:
-        return {"dict": [[encode(key, other, depth + 1), encode(item, other, depth + 1)]
-                         for key, item in value.items()]}
+        return {
+            "dict": [[encode(key, other, depth + 1), encode(item, other, depth + 1)] for key, item in value.items()]
+        }
     if kind is bytes:
         return {"bytes": value.hex()}
     if kind is complex:
@@ -97,8 +97,10 @@ def decode(data, handle, depth=0):
             items = [decode(item, handle, depth + 1) for item in body]
             return {"tuple": tuple, "set": set, "frozenset": frozenset}[tag](items)
         if tag == "dict" and type(body) is list:
-            return {decode(key, handle, depth + 1): decode(item, handle, depth + 1)
-                    for key, item in (_pair(entry) for entry in body)}
+            return {
+                decode(key, handle, depth + 1): decode(item, handle, depth + 1)
+                for key, item in (_pair(entry) for entry in body)
+            }
         if tag == "bytes" and type(body) is str:
             return bytes.fromhex(body)
         if tag == "float" and body in ("nan", "inf", "-inf"):
@@ -153,6 +155,7 @@ class Channel:
 
 # --- the solution's side: runs the model's code, answers calls ---------------------------------
 
+
 def serve_solution(code, read_fd, write_fd):
     """Run `code` as __main__, send the names it defined, then answer calls until the tests'
     side closes its pipe. Errors become replies: this side trusts nothing and owes nothing."""
@@ -167,8 +170,7 @@ def serve_solution(code, read_fd, write_fd):
         return {"handle": [len(objects) - 1, _describe(value)]}
 
     def by_handle(body):
-        if type(body) is not list or not body or type(body[0]) is not int \
-                or not 0 <= body[0] < len(objects):
+        if type(body) is not list or not body or type(body[0]) is not int or not 0 <= body[0] < len(objects):
             raise WireError(f"no such handle: {str(body)[:40]}")
         return objects[body[0]]
 
@@ -232,6 +234,7 @@ def _leave():
 
 # --- the tests' side: runs the test snippet, calls across ---------------------------------------
 
+
 class Remote:
     """Something of the solution's (a function, a class, an instance) on the tests' side. Calls
     and attribute reads cross the pipe; `==` is identity, since the solution's own `__eq__`
@@ -243,8 +246,7 @@ class Remote:
         self._client, self._handle, self._description = client, handle, description
 
     def __call__(self, *args, **kwargs):
-        return self._client.request({"op": "call", "target": self._wire(), "args": list(args),
-                                     "kwargs": kwargs})
+        return self._client.request({"op": "call", "target": self._wire(), "args": list(args), "kwargs": kwargs})
 
     def __getattr__(self, name):
         if name in Remote.__slots__ or (name.startswith("__") and name.endswith("__")):
@@ -306,8 +308,10 @@ class Client:
     def outgoing(self, value, depth):
         if type(value) is Remote:
             return value._wire()
-        raise WireError(f"cannot send a {type(value).__name__} to the solution: only plain "
-                        f"values and the solution's own objects cross")
+        raise WireError(
+            f"cannot send a {type(value).__name__} to the solution: only plain "
+            f"values and the solution's own objects cross"
+        )
 
     def receive(self):
         message = self.channel.receive()
@@ -335,8 +339,12 @@ def _rebuilt(error):
         return WireError("a malformed error reply")
     name, message = str(error[0]), str(error[1])
     kind = getattr(builtins, name, None)
-    if isinstance(kind, type) and issubclass(kind, Exception) and kind.__module__ == "builtins" \
-            and not issubclass(kind, (StopIteration, StopAsyncIteration)):
+    if (
+        isinstance(kind, type)
+        and issubclass(kind, Exception)
+        and kind.__module__ == "builtins"
+        and not issubclass(kind, (StopIteration, StopAsyncIteration))
+    ):
         try:
             return kind(message)
         except Exception:  # noqa: BLE001 - e.g. UnicodeDecodeError wants five arguments
@@ -360,8 +368,13 @@ def run_tests(tests, read_fd, write_fd, marker):
         # only names it could define in public get in: no private or dunder name (`__builtins__`
         # would hand it every builtin the tests use), no keyword, and no builtin's name
         # (isinstance, len, sorted, ...): the tests' own tools stay the tests'.
-        if type(name) is str and name.isidentifier() and not name.startswith("_") \
-                and not keyword.iskeyword(name) and not hasattr(builtins, name):
+        if (
+            type(name) is str
+            and name.isidentifier()
+            and not name.startswith("_")
+            and not keyword.iskeyword(name)
+            and not hasattr(builtins, name)
+        ):
             namespace[name] = decode(data, client.remote)
     namespace.update(__name__="__main__", __builtins__=builtins)  # last, whatever came before
     exec(compile(tests, "tests.py", "exec"), namespace)

@@ -52,16 +52,24 @@ class LoadedRewardModel(NamedTuple):
 _LOADED: dict[tuple[str, str, str, str], LoadedRewardModel] = {}
 
 
-def reward_model(prompts: list[str], completions: list[str], path: str, batch_size: int = 8,
-                 device: str = "auto", quantization: str = "none", max_length: int = 1024,
-                 dtype: str = "auto", **_: Any) -> list[float]:
+def reward_model(
+    prompts: list[str],
+    completions: list[str],
+    path: str,
+    batch_size: int = 8,
+    device: str = "auto",
+    quantization: str = "none",
+    max_length: int = 1024,
+    dtype: str = "auto",
+    **_: Any,
+) -> list[float]:
     """One score per completion from the sequence-classification model at `path` (see the module
     docstring for the text, truncation, padding and score rules). Dataset columns are ignored."""
     loaded = load_reward_model(path, device, quantization, dtype)
     texts = reward_texts(loaded.tokenizer, prompts, completions)
     scores: list[float] = []
     for start in range(0, len(texts), batch_size):
-        scores.extend(_score_batch(loaded, texts[start:start + batch_size], max_length))
+        scores.extend(_score_batch(loaded, texts[start : start + batch_size], max_length))
     return scores
 
 
@@ -82,7 +90,11 @@ def reward_texts(tokenizer: Any, prompts: list[str], completions: list[str]) -> 
 def _score_batch(loaded: LoadedRewardModel, texts: list[str], max_length: int) -> list[float]:
     tokenizer, model = loaded.tokenizer, loaded.model
     encoded = tokenizer(
-        texts, return_tensors="pt", padding=True, truncation=True, max_length=max_length,
+        texts,
+        return_tensors="pt",
+        padding=True,
+        truncation=True,
+        max_length=max_length,
         add_special_tokens=not getattr(tokenizer, "chat_template", None),
     ).to(loaded.device)
     input_ids = encoded["input_ids"]  # [N, T], right-padded
@@ -94,8 +106,9 @@ def _score_batch(loaded: LoadedRewardModel, texts: list[str], max_length: int) -
     return values.tolist()
 
 
-def load_reward_model(path: str, device: str = "auto", quantization: str = "none",
-                      dtype: str = "auto") -> LoadedRewardModel:
+def load_reward_model(
+    path: str, device: str = "auto", quantization: str = "none", dtype: str = "auto"
+) -> LoadedRewardModel:
     """The model and tokenizer at `path`, loaded on first use and cached in `_LOADED`."""
     from grpo_cli.models.loading import resolve_device, resolve_dtype  # here: models imports the rewards package
 
@@ -106,9 +119,7 @@ def load_reward_model(path: str, device: str = "auto", quantization: str = "none
     try:
         torch_device = resolve_device(device)
     except ConfigError:
-        raise ConfigError(
-            f"reward_model device={device}: torch sees no CUDA device; use device=cpu or auto."
-        ) from None
+        raise ConfigError(f"reward_model device={device}: torch sees no CUDA device; use device=cpu or auto.") from None
     torch_dtype = resolve_dtype(dtype, torch_device)
     key = (str(path), str(torch_device), quantization, str(torch_dtype))
     if key not in _LOADED:

@@ -61,9 +61,15 @@ class _CappedStream:
         self.tail = (self.tail + chunk)[-TAIL_BYTES:]
 
 
-def run_sandboxed(source: str, timeout: float, memory_mb: int = 512,
-                  max_output_bytes: int = 64_000, max_file_bytes: int = MAX_FILE_BYTES,
-                  max_processes: int = MAX_PROCESSES, use_namespaces: bool = True) -> SandboxResult:
+def run_sandboxed(
+    source: str,
+    timeout: float,
+    memory_mb: int = 512,
+    max_output_bytes: int = 64_000,
+    max_file_bytes: int = MAX_FILE_BYTES,
+    max_processes: int = MAX_PROCESSES,
+    use_namespaces: bool = True,
+) -> SandboxResult:
     """Run `source` as a Python program in a fresh sandboxed process. See the module docstring.
 
     `max_file_bytes` caps any file the program writes (RLIMIT_FSIZE), `max_processes` the
@@ -74,9 +80,14 @@ def run_sandboxed(source: str, timeout: float, memory_mb: int = 512,
     return _finish(_start(source, limits, program_fds=()), max_output_bytes)
 
 
-def run_connected(first: str, second: str, timeout: float, memory_mb: int = 512,
-                  max_output_bytes: int = 64_000, use_namespaces: bool = True,
-                  ) -> tuple[SandboxResult, SandboxResult]:
+def run_connected(
+    first: str,
+    second: str,
+    timeout: float,
+    memory_mb: int = 512,
+    max_output_bytes: int = 64_000,
+    use_namespaces: bool = True,
+) -> tuple[SandboxResult, SandboxResult]:
     """Run two programs at once, each in a sandbox of its own, joined by two pipes and nothing
     else: each finds the file descriptors of its ends as `sys.argv[1]` (it reads there) and
     `sys.argv[2]` (it writes there). When `second` has ended, `first` is killed: `second` holds
@@ -89,8 +100,7 @@ def run_connected(first: str, second: str, timeout: float, memory_mb: int = 512,
     first_reads, second_writes = os.pipe()
     second_reads, first_writes = os.pipe()
     try:
-        first_run = _start(first, limits, program_fds=(first_reads, first_writes),
-                           grace=CONNECTED_GRACE_S)
+        first_run = _start(first, limits, program_fds=(first_reads, first_writes), grace=CONNECTED_GRACE_S)
         try:
             second_run = _start(second, limits, program_fds=(second_reads, second_writes))
         except BaseException:
@@ -104,8 +114,7 @@ def run_connected(first: str, second: str, timeout: float, memory_mb: int = 512,
     # told to stop, it kills the runner's group before reaping it, never a reused pid.
     stop_first = threading.Event()
     first_result: list[SandboxResult] = []
-    waiter = threading.Thread(target=lambda: first_result.append(
-        _finish(first_run, max_output_bytes, stop=stop_first)))
+    waiter = threading.Thread(target=lambda: first_result.append(_finish(first_run, max_output_bytes, stop=stop_first)))
     waiter.start()
     try:
         second_result = _finish(second_run, max_output_bytes)
@@ -135,8 +144,7 @@ class _Started:
     deadline: float  # time.monotonic() at which the runner's group is killed
 
 
-def _start(source: str, limits: _Limits, program_fds: tuple[int, ...],
-           grace: float = 0.0) -> _Started:
+def _start(source: str, limits: _Limits, program_fds: tuple[int, ...], grace: float = 0.0) -> _Started:
     """Write the program and start the runner on it; `program_fds` reach the program (their
     numbers follow the program's name in its argv). Raises OSError when no child can start."""
     started = time.monotonic()
@@ -150,13 +158,29 @@ def _start(source: str, limits: _Limits, program_fds: tuple[int, ...],
     report_read, report_write = os.pipe()
     try:
         process = subprocess.Popen(
-            [sys.executable, "-I", "-S", str(RUNNER), str(program), str(folder / "work"),
-             str(report_write), str(limits.timeout), str(limits.memory_mb),
-             str(limits.max_file_bytes), str(limits.max_processes), str(SANDBOX_UID_BASE),
-             str(int(limits.use_namespaces)), ",".join(map(str, program_fds))],
-            stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-            env={"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8"}, cwd=folder,
-            start_new_session=True, pass_fds=(report_write, *program_fds),
+            [
+                sys.executable,
+                "-I",
+                "-S",
+                str(RUNNER),
+                str(program),
+                str(folder / "work"),
+                str(report_write),
+                str(limits.timeout),
+                str(limits.memory_mb),
+                str(limits.max_file_bytes),
+                str(limits.max_processes),
+                str(SANDBOX_UID_BASE),
+                str(int(limits.use_namespaces)),
+                ",".join(map(str, program_fds)),
+            ],
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            env={"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8"},
+            cwd=folder,
+            start_new_session=True,
+            pass_fds=(report_write, *program_fds),
         )
     except BaseException:
         os.close(report_read)
@@ -167,13 +191,11 @@ def _start(source: str, limits: _Limits, program_fds: tuple[int, ...],
     return _Started(process, folder, report_read, started, started + limits.timeout + grace)
 
 
-def _finish(run: _Started, max_output_bytes: int,
-            stop: threading.Event | None = None) -> SandboxResult:
+def _finish(run: _Started, max_output_bytes: int, stop: threading.Event | None = None) -> SandboxResult:
     """Wait for the runner (killing its group at the deadline, or once `stop` is set), kill
     whatever of it is left, remove its folder, and say what happened."""
     process = run.process
-    streams = {process.stdout: _CappedStream(max_output_bytes),
-               process.stderr: _CappedStream(max_output_bytes)}
+    streams = {process.stdout: _CappedStream(max_output_bytes), process.stderr: _CappedStream(max_output_bytes)}
     report = _CappedStream(8192)
     timed_out = _pump(process, streams, run.report_fd, report, deadline=run.deadline, stop=stop)
     sandbox_uid = SANDBOX_UID_BASE + process.pid
@@ -198,8 +220,14 @@ def _finish(run: _Started, max_output_bytes: int,
     )
 
 
-def _pump(process: subprocess.Popen, streams: dict, report_fd: int, report: _CappedStream,
-          deadline: float, stop: threading.Event | None = None) -> bool:
+def _pump(
+    process: subprocess.Popen,
+    streams: dict,
+    report_fd: int,
+    report: _CappedStream,
+    deadline: float,
+    stop: threading.Event | None = None,
+) -> bool:
     """Read the pipes until they close (or shortly after the runner exited); True when the
     deadline came first, in which case the runner's process group was killed. Once `stop` is
     set, the group is killed (if the runner was not reaped yet) and the pipes drained."""
@@ -220,8 +248,7 @@ def _pump(process: subprocess.Popen, streams: dict, report_fd: int, report: _Cap
                 stop = None
             if exited_at is None and process.poll() is not None:
                 exited_at = now
-            if exited_at is not None and (not selector.get_map()
-                                          or now - exited_at > DRAIN_AFTER_EXIT_S):
+            if exited_at is not None and (not selector.get_map() or now - exited_at > DRAIN_AFTER_EXIT_S):
                 return False  # a grandchild may hold a pipe open: it is killed next
             if not selector.get_map():
                 time.sleep(min(0.05, deadline - now))

@@ -41,8 +41,12 @@ libc = ctypes.CDLL(None, use_errno=True)
 
 
 class MountAttr(ctypes.Structure):
-    _fields_ = [("attr_set", ctypes.c_uint64), ("attr_clr", ctypes.c_uint64),
-                ("propagation", ctypes.c_uint64), ("userns_fd", ctypes.c_uint64)]
+    _fields_ = [
+        ("attr_set", ctypes.c_uint64),
+        ("attr_clr", ctypes.c_uint64),
+        ("propagation", ctypes.c_uint64),
+        ("userns_fd", ctypes.c_uint64),
+    ]
 
 
 def _check(result: int, what: str) -> None:
@@ -53,8 +57,7 @@ def _check(result: int, what: str) -> None:
 
 def _mount(source, target, fstype, flags, data=None) -> None:
     encode = lambda value: value.encode() if isinstance(value, str) else value  # noqa: E731
-    _check(libc.mount(encode(source), encode(target), encode(fstype), flags, encode(data)),
-           f"mount {target}")
+    _check(libc.mount(encode(source), encode(target), encode(fstype), flags, encode(data)), f"mount {target}")
 
 
 def _unshare(running_as_root: bool) -> tuple[int, list[str]]:
@@ -81,8 +84,10 @@ def _unshare(running_as_root: bool) -> tuple[int, list[str]]:
 
 def _read_only(path: str, applied: list[str], notes: list[str], label: str) -> None:
     attr = MountAttr(MOUNT_ATTR_RDONLY | MOUNT_ATTR_NOSUID, 0, 0, 0)
-    if libc.syscall(SYS_MOUNT_SETATTR, AT_FDCWD, path.encode(), AT_RECURSIVE, ctypes.byref(attr),
-                    ctypes.sizeof(attr)) == 0:
+    if (
+        libc.syscall(SYS_MOUNT_SETATTR, AT_FDCWD, path.encode(), AT_RECURSIVE, ctypes.byref(attr), ctypes.sizeof(attr))
+        == 0
+    ):
         applied.append(label)
     else:
         notes.append(f"mount_setattr read-only {path} failed: {os.strerror(ctypes.get_errno())}")
@@ -106,8 +111,7 @@ def _isolate_filesystem(hidden: set[str], applied: list[str], notes: list[str]) 
     sizes = {"/tmp": "64m", "/var/tmp": "16m", "/dev/shm": "16m"}
     for target, size in sizes.items():
         if os.path.isdir(target):
-            _mount("tmpfs", target, "tmpfs", MS_NOSUID | MS_NODEV,
-                   f"size={size},nr_inodes=4096,mode=1777")
+            _mount("tmpfs", target, "tmpfs", MS_NOSUID | MS_NODEV, f"size={size},nr_inodes=4096,mode=1777")
     applied.append("fresh-tmpfs")
     # Bind the interpreter into the fresh /tmp: it may live under a home folder the dropped uid
     # cannot traverse (pyenv under /root), and the home folders are hidden next.
@@ -185,8 +189,13 @@ def main() -> None:
     applied, notes = [], []
     flags, unshare_notes = _unshare(running_as_root) if use_namespaces else (0, ["namespaces off"])
     notes += unshare_notes
-    names = {CLONE_NEWUSER: "userns", CLONE_NEWNS: "mountns", CLONE_NEWNET: "netns",
-             CLONE_NEWPID: "pidns", CLONE_NEWIPC: "ipcns"}
+    names = {
+        CLONE_NEWUSER: "userns",
+        CLONE_NEWNS: "mountns",
+        CLONE_NEWNET: "netns",
+        CLONE_NEWPID: "pidns",
+        CLONE_NEWIPC: "ipcns",
+    }
     applied += [name for flag, name in names.items() if flags & flag]
     python, workdir = sys.executable, fallback_dir
     if flags & CLONE_NEWNS:
@@ -211,8 +220,13 @@ def main() -> None:
     if block_sockets:
         applied.append("socket-module-blocked")
     python_home = os.path.dirname(os.path.dirname(python))
-    env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": workdir, "TMPDIR": "/tmp",
-           "LANG": "C.UTF-8", "LD_LIBRARY_PATH": os.path.join(python_home, "lib")}
+    env = {
+        "PATH": "/usr/local/bin:/usr/bin:/bin",
+        "HOME": workdir,
+        "TMPDIR": "/tmp",
+        "LANG": "C.UTF-8",
+        "LD_LIBRARY_PATH": os.path.join(python_home, "lib"),
+    }
 
     # Two more processes: an init (pid 1 of the new pid namespace, still privileged) whose exit
     # makes the kernel kill everything left in the namespace, and the program under it, so that

@@ -54,13 +54,35 @@ X32_SYSCALL_BIT = 0x40000000  # asm/unistd.h: x32 calls have the same arch, nr |
 # asm/unistd_64.h
 NR_SOCKET, NR_SOCKETPAIR, NR_CLONE, NR_UNSHARE, NR_SETNS, NR_CLONE3 = 41, 53, 56, 272, 308, 435
 DENIED_SYSCALLS = {
-    "ptrace": 101, "pivot_root": 155, "chroot": 161, "mount": 165, "umount2": 166,
-    "swapon": 167, "swapoff": 168, "reboot": 169, "init_module": 175, "delete_module": 176,
-    "kexec_load": 246, "add_key": 248, "request_key": 249, "keyctl": 250,
-    "perf_event_open": 298, "finit_module": 313, "kexec_file_load": 320, "bpf": 321,
-    "userfaultfd": 323, "io_uring_setup": 425, "io_uring_enter": 426, "io_uring_register": 427,
-    "open_tree": 428, "move_mount": 429, "fsopen": 430, "fsconfig": 431, "fsmount": 432,
-    "fspick": 433, "mount_setattr": 442,
+    "ptrace": 101,
+    "pivot_root": 155,
+    "chroot": 161,
+    "mount": 165,
+    "umount2": 166,
+    "swapon": 167,
+    "swapoff": 168,
+    "reboot": 169,
+    "init_module": 175,
+    "delete_module": 176,
+    "kexec_load": 246,
+    "add_key": 248,
+    "request_key": 249,
+    "keyctl": 250,
+    "perf_event_open": 298,
+    "finit_module": 313,
+    "kexec_file_load": 320,
+    "bpf": 321,
+    "userfaultfd": 323,
+    "io_uring_setup": 425,
+    "io_uring_enter": 426,
+    "io_uring_register": 427,
+    "open_tree": 428,
+    "move_mount": 429,
+    "fsopen": 430,
+    "fsconfig": 431,
+    "fsmount": 432,
+    "fspick": 433,
+    "mount_setattr": 442,
 }
 
 # linux/socket.h, linux/net.h: AF_UNIX; the socket type is the low 4 bits (SOCK_TYPE_MASK),
@@ -68,8 +90,7 @@ DENIED_SYSCALLS = {
 AF_UNIX, SOCK_STREAM, SOCK_TYPE_MASK = 1, 1, 0xF
 # linux/sched.h: CLONE_NEWNS, CLONE_NEWCGROUP, CLONE_NEWUTS, CLONE_NEWIPC, CLONE_NEWUSER,
 # CLONE_NEWPID, CLONE_NEWNET
-CLONE_NEW_ANY = (0x00020000 | 0x02000000 | 0x04000000 | 0x08000000 | 0x10000000 | 0x20000000
-                 | 0x40000000)
+CLONE_NEW_ANY = 0x00020000 | 0x02000000 | 0x04000000 | 0x08000000 | 0x10000000 | 0x20000000 | 0x40000000
 
 DENY = SECCOMP_RET_ERRNO | errno.EPERM
 Instruction = tuple[int, int, int, int]  # linux/filter.h, struct sock_filter: code, jt, jf, k
@@ -93,10 +114,14 @@ def _return(action: int) -> Instruction:
 
 
 def _arch_is_x86_64() -> list[Instruction]:
-    return [_load(OFFSET_ARCH), _jump(BPF_JEQ, AUDIT_ARCH_X86_64, 1, 0),
-            _return(SECCOMP_RET_KILL_PROCESS),
-            _load(OFFSET_NR), _jump(BPF_JGE, X32_SYSCALL_BIT, 0, 1),
-            _return(SECCOMP_RET_KILL_PROCESS)]
+    return [
+        _load(OFFSET_ARCH),
+        _jump(BPF_JEQ, AUDIT_ARCH_X86_64, 1, 0),
+        _return(SECCOMP_RET_KILL_PROCESS),
+        _load(OFFSET_NR),
+        _jump(BPF_JGE, X32_SYSCALL_BIT, 0, 1),
+        _return(SECCOMP_RET_KILL_PROCESS),
+    ]
 
 
 def _deny(nr: int, action: int = DENY) -> list[Instruction]:
@@ -107,9 +132,15 @@ def _deny(nr: int, action: int = DENY) -> list[Instruction]:
 def _deny_unix_socket(nr: int, allow_stream: bool) -> list[Instruction]:
     """socket / socketpair with args[0] == AF_UNIX (an int: its low 32 bits) is denied;
     with `allow_stream`, a SOCK_STREAM type (args[1]) passes. Ends with nr loaded again."""
-    stream_passes = [_load(OFFSET_ARGS + 8),
-                     _statement(BPF_ALU | BPF_AND | BPF_K, SOCK_TYPE_MASK),
-                     _jump(BPF_JEQ, SOCK_STREAM, 1, 0)] if allow_stream else []
+    stream_passes = (
+        [
+            _load(OFFSET_ARGS + 8),
+            _statement(BPF_ALU | BPF_AND | BPF_K, SOCK_TYPE_MASK),
+            _jump(BPF_JEQ, SOCK_STREAM, 1, 0),
+        ]
+        if allow_stream
+        else []
+    )
     is_unix = [_load(OFFSET_ARGS), _jump(BPF_JEQ, AF_UNIX, 0, len(stream_passes) + 1)]
     body = [*is_unix, *stream_passes, _return(DENY), _load(OFFSET_NR)]
     return [_jump(BPF_JEQ, nr, 0, len(body) - 1), *body]  # another call: to the reload
@@ -117,8 +148,13 @@ def _deny_unix_socket(nr: int, allow_stream: bool) -> list[Instruction]:
 
 def _deny_clone_new_namespace() -> list[Instruction]:
     """clone with any CLONE_NEW* in its flags (args[0]; the kernel reads its low 32 bits)."""
-    return [_jump(BPF_JEQ, NR_CLONE, 0, 4), _load(OFFSET_ARGS),
-            _jump(BPF_JSET, CLONE_NEW_ANY, 0, 1), _return(DENY), _load(OFFSET_NR)]
+    return [
+        _jump(BPF_JEQ, NR_CLONE, 0, 4),
+        _load(OFFSET_ARGS),
+        _jump(BPF_JSET, CLONE_NEW_ANY, 0, 1),
+        _return(DENY),
+        _load(OFFSET_NR),
+    ]
 
 
 def build_filter() -> list[Instruction]:
@@ -151,7 +187,6 @@ def install() -> str | None:
     # binary from shedding it.
     if libc.prctl(PR_SET_NO_NEW_PRIVS, ulong(1), zero, zero, zero) != 0:
         return f"no seccomp: PR_SET_NO_NEW_PRIVS failed: {os.strerror(ctypes.get_errno())}"
-    if libc.prctl(PR_SET_SECCOMP, ulong(SECCOMP_MODE_FILTER), ctypes.byref(fprog), zero,
-                  zero) != 0:
+    if libc.prctl(PR_SET_SECCOMP, ulong(SECCOMP_MODE_FILTER), ctypes.byref(fprog), zero, zero) != 0:
         return f"no seccomp: PR_SET_SECCOMP failed: {os.strerror(ctypes.get_errno())}"
     return None

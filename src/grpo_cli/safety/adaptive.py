@@ -37,8 +37,14 @@ class AdaptiveGroupState:
         return cls(**state) if state else cls(base_group_size, base_group_size)
 
 
-def next_group_size(cfg: AdaptiveGroupConfig, state: AdaptiveGroupState, raised_size: int, step: int,
-                    reward_mean: float, zero_std_fraction: float) -> Optional[str]:
+def next_group_size(
+    cfg: AdaptiveGroupConfig,
+    state: AdaptiveGroupState,
+    raised_size: int,
+    step: int,
+    reward_mean: float,
+    zero_std_fraction: float,
+) -> Optional[str]:
     """Record step `step`'s reward and zero-std fraction; set `state.group_size` for the next
     step. Returns why the group size changed, or None when it did not.
 
@@ -50,20 +56,23 @@ def next_group_size(cfg: AdaptiveGroupConfig, state: AdaptiveGroupState, raised_
         state.best_reward, state.steps_without_improvement = reward_mean, 0
     else:
         state.steps_without_improvement += 1
-    state.zero_std_fractions = (state.zero_std_fractions + [zero_std_fraction])[-cfg.patience:]
+    state.zero_std_fractions = (state.zero_std_fractions + [zero_std_fraction])[-cfg.patience :]
 
     if state.raised_until is not None:
         if step < state.raised_until:
             return None
         state.raised_until = None
-        return _change(state, step, state.base_group_size, f"back to {state.base_group_size} after "
-                       f"{cfg.duration} raised steps")
+        return _change(
+            state, step, state.base_group_size, f"back to {state.base_group_size} after {cfg.duration} raised steps"
+        )
     mean_zero_std = sum(state.zero_std_fractions) / len(state.zero_std_fractions)
     if state.steps_without_improvement >= cfg.patience:
         reason = f"reward/mean has not improved for {cfg.patience} steps"
     elif len(state.zero_std_fractions) == cfg.patience and mean_zero_std > cfg.zero_std_fraction:
-        reason = (f"{mean_zero_std:.0%} of groups were zero-std over the last {cfg.patience} steps "
-                  f"(above sampler.adaptive.zero_std_fraction={cfg.zero_std_fraction})")
+        reason = (
+            f"{mean_zero_std:.0%} of groups were zero-std over the last {cfg.patience} steps "
+            f"(above sampler.adaptive.zero_std_fraction={cfg.zero_std_fraction})"
+        )
     else:
         return None
     state.raised_until = step + cfg.duration

@@ -27,6 +27,13 @@ class FilledStep:
     informative_groups: int  # informative groups in the step (== target unless the cap was hit)
     sampled_groups: int  # groups sampled this step, kept or not
 
+    def metrics(self) -> dict[str, int]:
+        return {
+            "sampling/extra_rounds": self.extra_rounds,
+            "sampling/informative_groups": self.informative_groups,
+            "sampling/sampled_groups": self.sampled_groups,
+        }
+
 
 def informative_groups(rewards: Rewards, std_threshold: float) -> torch.Tensor:
     """[B] bool: groups whose reward spread can move the policy (the same test as A = 0)."""

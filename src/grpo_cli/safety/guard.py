@@ -58,7 +58,7 @@ def rollback_reason(guard: GuardConfig, state: GuardState, step: int, metrics: d
     kl = metrics.get("kl")
     if kl is not None and kl > guard.max_kl:
         return f"KL {kl:.4g} at step {step} exceeded trainer.guard.max_kl={guard.max_kl}"
-    state.recent = (state.recent + [float(metrics["reward/mean"])])[-guard.window:]
+    state.recent = (state.recent + [float(metrics["reward/mean"])])[-guard.window :]
     if len(state.recent) < guard.window:
         return None
     windowed = sum(state.recent) / len(state.recent)
@@ -66,9 +66,11 @@ def rollback_reason(guard: GuardConfig, state: GuardState, step: int, metrics: d
         state.best_reward, state.best_step = windowed, step
         return None
     if state.best_reward - windowed > guard.reward_drop:
-        return (f"the mean reward of the last {guard.window} steps fell to {windowed:.4g} at step {step}, "
-                f"more than trainer.guard.reward_drop={guard.reward_drop} below its best "
-                f"{state.best_reward:.4g} (step {state.best_step})")
+        return (
+            f"the mean reward of the last {guard.window} steps fell to {windowed:.4g} at step {step}, "
+            f"more than trainer.guard.reward_drop={guard.reward_drop} below its best "
+            f"{state.best_reward:.4g} (step {state.best_step})"
+        )
     return None
 
 
@@ -87,16 +89,26 @@ def rollback_target(output_dir: Path, state: GuardState, reward_drop: bool) -> O
     return found[-1] if found else None
 
 
-def roll_back(guard: GuardConfig, state: GuardState, step: int, reason: str, output_dir: Path,
-              restore_weights: Callable[[Path], None], optimizer: torch.optim.Optimizer,
-              scheduler: torch.optim.lr_scheduler.LRScheduler) -> Path:
+def roll_back(
+    guard: GuardConfig,
+    state: GuardState,
+    step: int,
+    reason: str,
+    output_dir: Path,
+    restore_weights: Callable[[Path], None],
+    optimizer: torch.optim.Optimizer,
+    scheduler: torch.optim.lr_scheduler.LRScheduler,
+) -> Path:
     """Load the last good checkpoint's weights and optimizer state (`restore_weights`, which is
     TrainState's), raise beta, lower the LR. Raises GuardStop when the rollbacks are used up or
     there is nothing to roll back to."""
     target = rollback_target(output_dir, state, reward_drop="reward" in reason)
     if len(state.rollbacks) >= guard.max_rollbacks or target is None:
-        why = ("no checkpoint to roll back to (set trainer.checkpoint_every)" if target is None
-               else f"trainer.guard.max_rollbacks={guard.max_rollbacks} rollbacks are used up")
+        why = (
+            "no checkpoint to roll back to (set trainer.checkpoint_every)"
+            if target is None
+            else f"trainer.guard.max_rollbacks={guard.max_rollbacks} rollbacks are used up"
+        )
         raise GuardStop(report(state, f"Stopped at step {step}: {reason}; {why}."))
     current_lrs = scheduler.get_last_lr()
     restore_weights(target)  # the weights and the Adam moments of then
@@ -113,9 +125,13 @@ def roll_back(guard: GuardConfig, state: GuardState, step: int, reason: str, out
 
 def report(state: GuardState, headline: str) -> str:
     lines = [headline, "The guard's rollbacks in this run:"]
-    lines += [f"  step {event['step']}: {event['reason']} -> rolled back to {event['checkpoint']}"
-              for event in state.rollbacks] or ["  none"]
-    lines.append(f"beta is now x{state.beta_scale:g}, the learning rate x{state.lr_scale:g}. Look at "
-                 "metrics.jsonl (reward/mean, kl, grad_norm) around these steps; raise trainer.beta, "
-                 "lower optimizer.lr, or resume from an earlier checkpoint with trainer.resume=PATH.")
+    lines += [
+        f"  step {event['step']}: {event['reason']} -> rolled back to {event['checkpoint']}"
+        for event in state.rollbacks
+    ] or ["  none"]
+    lines.append(
+        f"beta is now x{state.beta_scale:g}, the learning rate x{state.lr_scale:g}. Look at "
+        "metrics.jsonl (reward/mean, kl, grad_norm) around these steps; raise trainer.beta, "
+        "lower optimizer.lr, or resume from an earlier checkpoint with trainer.resume=PATH."
+    )
     return "\n".join(lines)

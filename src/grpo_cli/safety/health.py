@@ -30,8 +30,12 @@ DIVERGING_R = 0.6  # both |r| for "reward falls while KL rises" (two signals tog
 HISTORY_NEEDED = max(ZERO_STD_STEPS, TREND_STEPS) + 1  # the newest rows any pattern reads (+ row 0)
 
 ZERO_STD = "all groups had equal rewards for {steps} steps: no learning signal (prompts too easy or too hard, or temperature too low)"
-TRUNCATED = "{fraction:.0%} of completions hit max_new_tokens without ending: max_new_tokens too small, or the replies ramble"
-KL_RISING = "KL has been rising for {steps} steps ({start:.3g} -> {end:.3g}): beta too small or the learning rate too high"
+TRUNCATED = (
+    "{fraction:.0%} of completions hit max_new_tokens without ending: max_new_tokens too small, or the replies ramble"
+)
+KL_RISING = (
+    "KL has been rising for {steps} steps ({start:.3g} -> {end:.3g}): beta too small or the learning rate too high"
+)
 DIVERGING = "reward falling while KL rises over the last {steps} steps: the policy drifts without gain (raise beta, lower the lr)"
 
 

@@ -29,8 +29,7 @@ class Sampler(Protocol):
         ...
 
 
-def make_sampler(cfg: SamplerConfig, tokenizer, synced: bool = False,
-                 autocast: torch.dtype | None = None) -> Sampler:
+def make_sampler(cfg: SamplerConfig, tokenizer, synced: bool = False, autocast: torch.dtype | None = None) -> Sampler:
     """`synced`: keep every rank generating until all have finished (FSDP, distributed.py).
     `autocast`: sample under torch.autocast in this dtype (model.autocast; Models.autocast_dtype)."""
     if str(cfg.backend).lower() == "fast":

@@ -96,9 +96,16 @@ class PreallocatedLayer(DynamicLayer):
 SINGLE_QUERY_ATTENTION = "grpo_cli_single_query"
 
 
-def single_query_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                           attention_mask: torch.Tensor, dropout: float = 0.0, scaling: float | None = None,
-                           **kwargs) -> tuple[torch.Tensor, None]:
+def single_query_attention(
+    module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    **kwargs,
+) -> tuple[torch.Tensor, None]:
     """Attention of one new token per sequence over its keys and values, as two batched matmuls:
     query [N, H, 1, d], key and value [N, KV, L, d] (KV divides H: grouped-query attention),
     attention_mask [N, 1, 1, L] additive (0 = attend, -inf = padding). Returns ([N, 1, H, d],
@@ -137,10 +144,12 @@ def runs_layer_by_layer(policy, capacity: int) -> bool:
     sequences of up to `capacity` tokens (no sliding window within them)."""
     model = policy.get_base_model() if hasattr(policy, "get_base_model") else policy
     decoder, config = getattr(model, "model", None), model.config
-    return (getattr(config, "_attn_implementation", None) == "sdpa"
-            and all(hasattr(decoder, name) for name in ("embed_tokens", "rotary_emb", "layers", "norm"))
-            and all(kind == "full_attention" for kind in getattr(config, "layer_types", None) or ["full_attention"])
-            and (getattr(config, "sliding_window", None) or capacity) >= capacity)
+    return (
+        getattr(config, "_attn_implementation", None) == "sdpa"
+        and all(hasattr(decoder, name) for name in ("embed_tokens", "rotary_emb", "layers", "norm"))
+        and all(kind == "full_attention" for kind in getattr(config, "layer_types", None) or ["full_attention"])
+        and (getattr(config, "sliding_window", None) or capacity) >= capacity
+    )
 
 
 def one_token_forward(policy, attention: torch.Tensor, cache, layer_by_layer: bool):
@@ -154,9 +163,16 @@ def one_token_forward(policy, attention: torch.Tensor, cache, layer_by_layer: bo
     within AttentionImplementation(policy, SINGLE_QUERY_ATTENTION). Otherwise the model's own
     forward."""
     if not layer_by_layer:
+
         def forward(tokens: torch.Tensor, positions: torch.Tensor, length: int) -> torch.Tensor:
-            return policy(input_ids=tokens[:, None], attention_mask=attention[:, :length], position_ids=positions,
-                          cache=cache, use_cache=True).logits[:, -1]
+            return policy(
+                input_ids=tokens[:, None],
+                attention_mask=attention[:, :length],
+                position_ids=positions,
+                cache=cache,
+                use_cache=True,
+            ).logits[:, -1]
+
         return forward
 
     model = policy.get_base_model() if hasattr(policy, "get_base_model") else policy  # peft: LoRA stays on
@@ -169,9 +185,16 @@ def one_token_forward(policy, attention: torch.Tensor, cache, layer_by_layer: bo
         hidden = decoder.embed_tokens(tokens[:, None])  # [N, 1, h]
         rotary = decoder.rotary_emb(hidden, positions)
         for layer in layers:
-            hidden = layer(hidden, attention_mask=keep[..., :length], position_embeddings=rotary,
-                           position_ids=positions, cache=cache, use_cache=True)
+            hidden = layer(
+                hidden,
+                attention_mask=keep[..., :length],
+                position_embeddings=rotary,
+                position_ids=positions,
+                cache=cache,
+                use_cache=True,
+            )
         return head(decoder.norm(hidden[:, -1]))
+
     return forward
 
 
@@ -195,8 +218,9 @@ class FastSampler:
         completion_ids = self.decode(policy, batch.input_ids, batch.attention_mask, 1, greedy=True)
         return self.tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
 
-    def decode(self, policy, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, copies: int,
-               greedy: bool) -> torch.Tensor:
+    def decode(
+        self, policy, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, copies: int, greedy: bool
+    ) -> torch.Tensor:
         """Completion ids [B*copies, T] (T = max_new_tokens), rows grouped by prompt; after a
         completion's EOS come pad tokens. prompt_ids, prompt_mask: [B, P], left-padded."""
         cfg, eos, pad = self.cfg, self.tokenizer.eos_token_id, self.tokenizer.pad_token_id
@@ -213,16 +237,24 @@ class FastSampler:
             with no_grad, autocast_to(self.autocast, device):
                 prompt_ids, prompt_mask = prompt_ids.to(device), prompt_mask.to(device)
                 positions = (prompt_mask.long().cumsum(dim=1) - 1).clamp(min=0)  # [B, P]; left padding
-                output = policy(input_ids=prompt_ids, attention_mask=prompt_mask, position_ids=positions,
-                                use_cache=True, logits_to_keep=1)
+                output = policy(
+                    input_ids=prompt_ids,
+                    attention_mask=prompt_mask,
+                    position_ids=positions,
+                    use_cache=True,
+                    logits_to_keep=1,
+                )
                 cache = output.cache  # the prompts' keys and values: copied once per completion, with room
-                cache.layers = [PreallocatedLayer(layer, copies, prompt_ids.shape[1] + cfg.max_new_tokens)
-                                for layer in cache.layers]
+                cache.layers = [
+                    PreallocatedLayer(layer, copies, prompt_ids.shape[1] + cfg.max_new_tokens) for layer in cache.layers
+                ]
                 logits = output.logits[:, -1].repeat_interleave(copies, dim=0)  # [N, V]
                 count, length = logits.shape[0], prompt_ids.shape[1]
                 # Every position a completion can reach: its prompt's padding, then its own tokens.
-                attention = torch.cat([prompt_mask.repeat_interleave(copies, dim=0),
-                                       prompt_mask.new_ones(count, cfg.max_new_tokens)], dim=1)  # [N, P + T]
+                attention = torch.cat(
+                    [prompt_mask.repeat_interleave(copies, dim=0), prompt_mask.new_ones(count, cfg.max_new_tokens)],
+                    dim=1,
+                )  # [N, P + T]
                 one_token = one_token_forward(policy, attention, cache, direct)
                 # not under autocast: the packed GEMM would run in float32 where autocast casts
                 packed = PackedLinears(policy, count) if direct and self.autocast is None else contextlib.nullcontext()
@@ -232,8 +264,9 @@ class FastSampler:
                 for step in range(cfg.max_new_tokens):
                     if step < cfg.min_new_tokens:  # generate's MinNewTokensLengthLogitsProcessor
                         logits[:, eos] = -torch.inf
-                    scores = logits.float() if greedy else next_token_scores(logits, cfg.temperature, cfg.top_k,
-                                                                             cfg.top_p)
+                    scores = (
+                        logits.float() if greedy else next_token_scores(logits, cfg.temperature, cfg.top_k, cfg.top_p)
+                    )
                     tokens = torch.where(running, draw(scores, greedy), pad)
                     completions[:, step] = tokens
                     running &= tokens != eos

@@ -38,7 +38,7 @@ class HFSampler:
                 )
         finally:
             policy.train(was_training)
-        completions = output[:, input_ids.shape[1]:].cpu()
+        completions = output[:, input_ids.shape[1] :].cpu()
         # generate stops early when every row has finished; pad to a fixed width for the update.
         missing = self.cfg.max_new_tokens - completions.shape[1]
         if missing > 0:

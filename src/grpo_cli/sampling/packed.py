@@ -38,8 +38,13 @@ class PackedLinears:
         min_weights = PACK_MIN_WEIGHTS if min_weights is None else min_weights
         for module in policy.modules():
             weight = getattr(module, "weight", None)
-            if (type(module) is torch.nn.Linear and "forward" not in vars(module) and weight.numel() >= min_weights
-                    and weight.dtype == torch.float32 and weight.device.type == "cpu"):
+            if (
+                type(module) is torch.nn.Linear
+                and "forward" not in vars(module)
+                and weight.numel() >= min_weights
+                and weight.dtype == torch.float32
+                and weight.device.type == "cpu"
+            ):
                 self.forwards.append((module, packed_forward(weight.detach(), module.bias, rows)))
 
     def __enter__(self):
@@ -58,4 +63,5 @@ def packed_forward(weight: torch.Tensor, bias: torch.Tensor | None, rows: int):
 
     def forward(inputs: torch.Tensor) -> torch.Tensor:
         return torch.ops.mkl._mkl_linear(inputs, packed, weight, bias, rows)
+
     return forward

@@ -30,8 +30,14 @@ def repeated_prompts(batch: PromptBatch, group: int) -> tuple[torch.Tensor, torc
     return batch.input_ids.repeat_interleave(group, dim=0), batch.attention_mask.repeat_interleave(group, dim=0)
 
 
-def rollout_from(batch: PromptBatch, group: int, completion_ids: torch.Tensor, tokenizer, temperature: float,
-                 prompt_rows: tuple[torch.Tensor, torch.Tensor] | None = None) -> Rollout:
+def rollout_from(
+    batch: PromptBatch,
+    group: int,
+    completion_ids: torch.Tensor,
+    tokenizer,
+    temperature: float,
+    prompt_rows: tuple[torch.Tensor, torch.Tensor] | None = None,
+) -> Rollout:
     """The Rollout of `group` completions per prompt of `batch`: completion_ids [B*G, T], rows
     grouped by prompt (each prompt's G completions side by side), as both samplers return them.
     prompt_rows: repeated_prompts(batch, group), where the sampler has made them already."""

@@ -31,14 +31,18 @@ class ExportError(Exception):
 def find_checkpoint(path: Path) -> Path:
     """A checkpoint folder, or the newest complete checkpoint of a run folder."""
     if not path.exists():
-        raise ExportError(f"{path} does not exist. Give a run folder (its newest checkpoint is exported) "
-                          "or a checkpoint folder such as RUN/checkpoints/step-000100.")
+        raise ExportError(
+            f"{path} does not exist. Give a run folder (its newest checkpoint is exported) "
+            "or a checkpoint folder such as RUN/checkpoints/step-000100."
+        )
     if (path / META_FILE).is_file():
         return path
     newest = latest_checkpoint(path)
     if newest is None:
-        raise ExportError(f"{path} is neither a checkpoint (no {META_FILE}) nor a run folder with a complete "
-                          "checkpoint under checkpoints/. Give RUN or RUN/checkpoints/step-NNNNNN.")
+        raise ExportError(
+            f"{path} is neither a checkpoint (no {META_FILE}) nor a run folder with a complete "
+            "checkpoint under checkpoints/. Give RUN or RUN/checkpoints/step-NNNNNN."
+        )
     return newest
 
 
@@ -59,10 +63,13 @@ def base_model_of(checkpoint: Path, settings: dict) -> str:
     from grpo_cli.models.sources import resolve_model
 
     name = settings.get("name_or_path") or json.loads((checkpoint / ADAPTER_CONFIG).read_text()).get(
-        "base_model_name_or_path")
+        "base_model_name_or_path"
+    )
     if not name:
-        raise ExportError(f"{checkpoint / ADAPTER_CONFIG} names no base model and the run's config.yaml is "
-                          "not two folders up. Export from inside the run folder.")
+        raise ExportError(
+            f"{checkpoint / ADAPTER_CONFIG} names no base model and the run's config.yaml is "
+            "not two folders up. Export from inside the run folder."
+        )
     return resolve_model(name)  # builtin:NAME or a .gguf -> its local folder; else unchanged
 
 
@@ -73,8 +80,9 @@ def export(source: Path, out: Path, dtype_name: Optional[str] = None) -> Path:
 
     checkpoint = find_checkpoint(source)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
-        raise ExportError(f"{out} already exists and is not an empty folder; the export never overwrites. "
-                          "Give a new OUT_DIR.")
+        raise ExportError(
+            f"{out} already exists and is not an empty folder; the export never overwrites. Give a new OUT_DIR."
+        )
     settings = run_settings(checkpoint)
     dtype_name = dtype_name or settings.get("dtype", "auto")
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}.get(dtype_name, "auto")
@@ -85,9 +93,11 @@ def export(source: Path, out: Path, dtype_name: Optional[str] = None) -> Path:
         try:
             base = AutoModelForCausalLM.from_pretrained(base_path, dtype=dtype)
         except OSError as error:
-            raise ExportError(f"Cannot load the base model {base_path} of the adapter in {checkpoint}: "
-                              f"{str(error).splitlines()[0]}. Put the base model on this machine (or in the "
-                              "Hugging Face cache) and run grpo-export again.") from None
+            raise ExportError(
+                f"Cannot load the base model {base_path} of the adapter in {checkpoint}: "
+                f"{str(error).splitlines()[0]}. Put the base model on this machine (or in the "
+                "Hugging Face cache) and run grpo-export again."
+            ) from None
         model = PeftModel.from_pretrained(base, checkpoint).merge_and_unload()
     else:
         model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=dtype)
@@ -101,12 +111,15 @@ def main(argv: Optional[list[str]] = None) -> None:
     parser = argparse.ArgumentParser(
         prog="grpo-export",
         description="Write a grpo-train checkpoint as a full Hugging Face model folder (LoRA adapters are "
-                    "merged into their base model) with its tokenizer, for any HF-compatible engine.",
+        "merged into their base model) with its tokenizer, for any HF-compatible engine.",
     )
     parser.add_argument("source", type=Path, help="a run folder (its newest checkpoint) or a checkpoint folder")
     parser.add_argument("out", type=Path, help="a new (or empty) folder to write the model to")
-    parser.add_argument("--dtype", choices=["float32", "bfloat16", "float16"],
-                        help="the exported weights' dtype (default: the run's model.dtype)")
+    parser.add_argument(
+        "--dtype",
+        choices=["float32", "bfloat16", "float16"],
+        help="the exported weights' dtype (default: the run's model.dtype)",
+    )
     arguments = parser.parse_args(argv)
     try:
         used = export(arguments.source, arguments.out, arguments.dtype)

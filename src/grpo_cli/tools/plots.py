@@ -25,7 +25,7 @@ DPI = 110
 
 @dataclass(frozen=True)
 class Line:
-    key: str    # the metric, e.g. "reward/mean"
+    key: str  # the metric, e.g. "reward/mean"
     label: str  # its legend entry
 
 
@@ -33,14 +33,14 @@ class Line:
 class Panel:
     ylabel: str
     lines: tuple[Line, ...]
-    style: str = "line"    # "line"; "markers" for sparse eval points; "stacked" for parts of a whole
-    smooth: bool = False   # noisy per-step numbers: draw a rolling mean over the faint raw line
-    legend: bool = False   # set by plan_plots: the run logged more than one of `lines`
+    style: str = "line"  # "line"; "markers" for sparse eval points; "stacked" for parts of a whole
+    smooth: bool = False  # noisy per-step numbers: draw a rolling mean over the faint raw line
+    legend: bool = False  # set by plan_plots: the run logged more than one of `lines`
 
 
 @dataclass(frozen=True)
 class Plot:
-    name: str     # the file: plots/<name>.png
+    name: str  # the file: plots/<name>.png
     title: str
     panels: tuple[Panel, ...]
     notes: tuple[str, ...] = ()  # panels left out because nothing moved: "beta: 0.040 at every step"
@@ -48,41 +48,109 @@ class Plot:
 
 def catalogue(keys: set[str]) -> list[Plot]:
     """Every plot a run can have; `keys` (the metric names it logged) names the reward functions."""
-    functions = sorted(key.split("/")[1] for key in keys if key.startswith("reward/") and key.endswith("/mean")
-                       and key.count("/") == 2)
-    evaluated = sorted(key.split("/")[1] for key in keys if key.startswith("eval/")
-                       and key not in ("eval/accuracy", "eval/reward", "eval/pass_at_k"))
+    functions = sorted(
+        key.split("/")[1] for key in keys if key.startswith("reward/") and key.endswith("/mean") and key.count("/") == 2
+    )
+    evaluated = sorted(
+        key.split("/")[1]
+        for key in keys
+        if key.startswith("eval/") and key not in ("eval/accuracy", "eval/reward", "eval/pass_at_k")
+    )
     # With one reward function eval/<fn> is eval/accuracy again: only several deserve their lines.
     eval_functions = [Line(f"eval/{name}", name) for name in evaluated] if len(evaluated) > 1 else []
     return [
-        Plot("reward", "Sampled reward", (Panel("reward", (
-            Line("reward/mean", "total (weighted)"),
-            *(Line(f"reward/{name}/mean", name) for name in functions)), smooth=True),)),
-        Plot("eval", "Greedy eval", (Panel("score", (
-            Line("eval/accuracy", "accuracy"), Line("eval/reward", "reward"),
-            Line("eval/pass_at_k", "pass@k"), *eval_functions), style="markers"),)),
-        Plot("kl_beta", "KL to the reference, and beta", (
-            Panel("KL", (Line("kl", "kl"),)), Panel("beta", (Line("beta", "beta"),)))),
-        Plot("clipping", "Tokens whose ratio was clipped", (Panel("fraction of tokens", (
-            Line("clip_fraction", "total"), Line("clip/high_fraction", "high (ratio > 1 + eps)"),
-            Line("clip/low_fraction", "low (ratio < 1 - eps)"))),)),
+        Plot(
+            "reward",
+            "Sampled reward",
+            (
+                Panel(
+                    "reward",
+                    (
+                        Line("reward/mean", "total (weighted)"),
+                        *(Line(f"reward/{name}/mean", name) for name in functions),
+                    ),
+                    smooth=True,
+                ),
+            ),
+        ),
+        Plot(
+            "eval",
+            "Greedy eval",
+            (
+                Panel(
+                    "score",
+                    (
+                        Line("eval/accuracy", "accuracy"),
+                        Line("eval/reward", "reward"),
+                        Line("eval/pass_at_k", "pass@k"),
+                        *eval_functions,
+                    ),
+                    style="markers",
+                ),
+            ),
+        ),
+        Plot(
+            "kl_beta",
+            "KL to the reference, and beta",
+            (Panel("KL", (Line("kl", "kl"),)), Panel("beta", (Line("beta", "beta"),))),
+        ),
+        Plot(
+            "clipping",
+            "Tokens whose ratio was clipped",
+            (
+                Panel(
+                    "fraction of tokens",
+                    (
+                        Line("clip_fraction", "total"),
+                        Line("clip/high_fraction", "high (ratio > 1 + eps)"),
+                        Line("clip/low_fraction", "low (ratio < 1 - eps)"),
+                    ),
+                ),
+            ),
+        ),
         Plot("entropy", "Policy entropy of sampled tokens", (Panel("entropy (nats)", (Line("entropy", "entropy"),)),)),
-        Plot("zero_std", "Groups whose rewards all agree (no learning signal)", (Panel(
-            "fraction of groups", (Line("advantage/zero_std_fraction", "zero-std groups"),), smooth=True),)),
-        Plot("completion", "Completion length and truncation", (
-            Panel("tokens", (Line("completion/length_mean", "mean"), Line("completion/length_max", "max"))),
-            Panel("truncated fraction", (Line("completion/truncated_fraction", "truncated"),), smooth=True))),
-        Plot("step_time", "Time per step, by stage", (Panel("seconds", (
-            Line("time/sample", "sample"), Line("time/reward", "reward"), Line("time/update", "update")),
-            style="stacked"),)),
-        Plot("optimizer", "Loss, gradient norm and learning rate", (
-            Panel("loss", (Line("loss", "loss"),)), Panel("grad norm", (Line("grad_norm", "grad norm"),)),
-            Panel("learning rate", (Line("lr", "lr"),)))),
-        Plot("throughput", "Throughput and memory", (
-            Panel("tokens/s (sampling)", (Line("tokens_per_second", "tokens/s"),)),
-            Panel("resident memory (GB)", (Line("memory/rss_gb", "RSS"),)))),
-        Plot("group_size", "Group size G by step", (Panel("group size G", (
-            Line("sampler/group_size", "G"),)),)),
+        Plot(
+            "zero_std",
+            "Groups whose rewards all agree (no learning signal)",
+            (Panel("fraction of groups", (Line("advantage/zero_std_fraction", "zero-std groups"),), smooth=True),),
+        ),
+        Plot(
+            "completion",
+            "Completion length and truncation",
+            (
+                Panel("tokens", (Line("completion/length_mean", "mean"), Line("completion/length_max", "max"))),
+                Panel("truncated fraction", (Line("completion/truncated_fraction", "truncated"),), smooth=True),
+            ),
+        ),
+        Plot(
+            "step_time",
+            "Time per step, by stage",
+            (
+                Panel(
+                    "seconds",
+                    (Line("time/sample", "sample"), Line("time/reward", "reward"), Line("time/update", "update")),
+                    style="stacked",
+                ),
+            ),
+        ),
+        Plot(
+            "optimizer",
+            "Loss, gradient norm and learning rate",
+            (
+                Panel("loss", (Line("loss", "loss"),)),
+                Panel("grad norm", (Line("grad_norm", "grad norm"),)),
+                Panel("learning rate", (Line("lr", "lr"),)),
+            ),
+        ),
+        Plot(
+            "throughput",
+            "Throughput and memory",
+            (
+                Panel("tokens/s (sampling)", (Line("tokens_per_second", "tokens/s"),)),
+                Panel("resident memory (GB)", (Line("memory/rss_gb", "RSS"),)),
+            ),
+        ),
+        Plot("group_size", "Group size G by step", (Panel("group size G", (Line("sampler/group_size", "G"),)),)),
     ]
 
 
@@ -142,8 +210,7 @@ def rolling_mean(values: list[float], window: int) -> list[float]:
 
 
 def draw_plot(plot: Plot, rows: list[Row], path: Path) -> None:
-    figure = Figure(figsize=(PANEL_SIZE[0], 1.2 + PANEL_SIZE[1] * len(plot.panels)), dpi=DPI,
-                    layout="constrained")
+    figure = Figure(figsize=(PANEL_SIZE[0], 1.2 + PANEL_SIZE[1] * len(plot.panels)), dpi=DPI, layout="constrained")
     axes = figure.subplots(len(plot.panels), 1, sharex=True, squeeze=False)[:, 0]
     figure.suptitle("\n".join([plot.title, *(f"({note})" for note in plot.notes)]), fontsize=13)
     for ax, panel in zip(axes, plot.panels):
@@ -159,8 +226,9 @@ def _draw_panel(ax, panel: Panel, rows: list[Row]) -> None:
         # Only the steps that logged every part, so each band sits on the right base.
         complete = [row for row in rows if all(line.key in row for line in panel.lines)]
         stacked = [[row[line.key] for row in complete] for line in panel.lines]
-        ax.stackplot([row["step"] for row in complete], *stacked, labels=[line.label for line in panel.lines],
-                     alpha=0.85)
+        ax.stackplot(
+            [row["step"] for row in complete], *stacked, labels=[line.label for line in panel.lines], alpha=0.85
+        )
         ax.legend(loc="upper left", ncols=len(panel.lines), fontsize=9)
         return
     window = summary_window(len(rows))  # the summary's "last N steps", so the two agree
@@ -183,8 +251,11 @@ def _draw_panel(ax, panel: Panel, rows: list[Row]) -> None:
 def draw_heatmap(grid: Grid, metric_label: str, averaged_over: list[str], path: Path) -> None:
     """One cell per (x, y) pair, coloured and annotated with `metric_label`; grey "no result"
     where no job finished. `averaged_over`: the other swept keys, named in the title."""
-    figure = Figure(figsize=(max(6.0, 1.3 * len(grid.x_values) + 3), max(4.0, 0.9 * len(grid.y_values) + 2.5)),
-                    dpi=DPI, layout="constrained")
+    figure = Figure(
+        figsize=(max(6.0, 1.3 * len(grid.x_values) + 3), max(4.0, 0.9 * len(grid.y_values) + 2.5)),
+        dpi=DPI,
+        layout="constrained",
+    )
     ax = figure.subplots()
     values = [[math.nan if cell is None else cell for cell in line] for line in grid.cells]
     colors = colormaps["viridis"].with_extremes(bad="lightgray")  # cells no job finished
@@ -205,4 +276,3 @@ def draw_heatmap(grid: Grid, metric_label: str, averaged_over: list[str], path: 
     ax.set_title(f"{metric_label}\nby {grid.x_key} and {grid.y_key}{mean_over}")
     figure.colorbar(image, ax=ax, label=metric_label)
     figure.savefig(path)
-

@@ -125,8 +125,13 @@ def filter_file(cfg: Any) -> FilterResult:
         "counts": counts,
         "reward_errors": scores.error_counts,
         "prompts": [  # record: the 1-based position in data.path, as in the data error messages
-            {"record": number, "verdict": verdict, "reward_mean": group.mean().item(),
-             "reward_std": group.std().item(), "rewards": group.tolist()}
+            {
+                "record": number,
+                "verdict": verdict,
+                "reward_mean": group.mean().item(),
+                "reward_std": group.std().item(),
+                "rewards": group.tolist(),
+            }
             for number, (verdict, group) in enumerate(zip(verdicts, scores.totals), start=1)
         ],
     }
@@ -135,13 +140,17 @@ def filter_file(cfg: Any) -> FilterResult:
 
     for name, count in scores.error_counts.items():
         if count:
-            console.print(f"reward function {name} failed on {count} completions (first: "
-                          f"{scores.first_errors.get(name)}); those scored None (0 in the total)")
+            console.print(
+                f"reward function {name} failed on {count} completions (first: "
+                f"{scores.first_errors.get(name)}); those scored None (0 in the total)"
+            )
     print_summary(console, verdicts, scores.totals.mean(dim=1).tolist(), out, summary_path)
     if not kept_rows:
-        console.print(f"No prompt kept: every group's rewards were equal, so {out} is empty. More "
-                      "samples (sampler.group_size), a higher sampler.temperature or other data may "
-                      "give groups whose rewards differ.")
+        console.print(
+            f"No prompt kept: every group's rewards were equal, so {out} is empty. More "
+            "samples (sampler.group_size), a higher sampler.temperature or other data may "
+            "give groups whose rewards differ."
+        )
     return FilterResult(out, summary_path, counts, verdicts)
 
 
@@ -150,11 +159,14 @@ def make_folder_for(out: Path) -> None:
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
     except OSError as error:
-        raise ConfigError(f"out={out}: cannot create its folder {out.parent} ({error.strerror}). "
-                          "Point +out at a folder you can write to.") from None
+        raise ConfigError(
+            f"out={out}: cannot create its folder {out.parent} ({error.strerror}). "
+            "Point +out at a folder you can write to."
+        ) from None
     if not os.access(out.parent, os.W_OK | os.X_OK):
-        raise ConfigError(f"out={out}: the folder {out.parent} is not writable by this user. Point "
-                          "+out at a folder you can write to.")
+        raise ConfigError(
+            f"out={out}: the folder {out.parent} is not writable by this user. Point +out at a folder you can write to."
+        )
 
 
 @dataclass
@@ -165,23 +177,32 @@ class PromptScores:
     first_errors: dict[str, str]  # reward function -> why its first failure happened
 
 
-def score_prompts(cfg: Any, rows: list[dict[str, Any]], checkpoint: Optional[Path],
-                  console: Console) -> PromptScores:
+def score_prompts(cfg: Any, rows: list[dict[str, Any]], checkpoint: Optional[Path], console: Console) -> PromptScores:
     """G completions for each row from the model (at `checkpoint`, a training run's policy, if
     given), their rewards, and which groups differ."""
     trainer = cfg.trainer
     scorer = RewardScorer.from_config(cfg.reward, trainer.std_eps)  # imports each _target_ before loading
     seed_everything(trainer.seed)
-    models = load_models(cfg.model, 0.0, resolve_device(trainer.device),  # beta 0: no reference model
-                         checkpoint=str(checkpoint) if checkpoint else None)
+    models = load_models(
+        cfg.model,
+        0.0,
+        resolve_device(trainer.device),  # beta 0: no reference model
+        checkpoint=str(checkpoint) if checkpoint else None,
+    )
     prompts = PromptSource(cfg.data, models.tokenizer, rows=rows)
     sampler = make_sampler(cfg.sampler, models.tokenizer, autocast=models.autocast_dtype)
     totals, informative = [], []  # per batch: [B, G], [B]
     error_counts: dict[str, int] = {}
     first_errors: dict[str, str] = {}
     progress = Progress(
-        TextColumn("[bold]filter"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-        TextColumn("eta"), TimeRemainingColumn(), console=console, disable=not console.is_terminal,
+        TextColumn("[bold]filter"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        TextColumn("eta"),
+        TimeRemainingColumn(),
+        console=console,
+        disable=not console.is_terminal,
     )
     task = progress.add_task("filter", total=len(rows))
     done = 0
@@ -190,8 +211,7 @@ def score_prompts(cfg: Any, rows: list[dict[str, Any]], checkpoint: Optional[Pat
             rewards = scorer.score(sampler.sample(models.policy, prompts.make_batch(chunk)))
             # The very rule that zeroes a group's advantages in training (on the shaped rewards
             # with reward.normalize_each, else on the totals).
-            zero_std = group_advantages(rewards.for_advantages, trainer.std_eps,
-                                        trainer.std_threshold).zero_std_groups
+            zero_std = group_advantages(rewards.for_advantages, trainer.std_eps, trainer.std_threshold).zero_std_groups
             totals.append(rewards.total)
             informative.append(~zero_std)
             for name, count in rewards.error_counts.items():
@@ -238,8 +258,7 @@ def write_atomically(path: Path, text: str) -> None:
         raise
 
 
-def print_summary(console: Console, verdicts: list[str], means: list[float], out: Path,
-                  summary_path: Path) -> None:
+def print_summary(console: Console, verdicts: list[str], means: list[float], out: Path, summary_path: Path) -> None:
     """Counts and mean reward per verdict: a table on a terminal, plain lines otherwise."""
     total = len(verdicts)
     lines = []  # (label, count, share, mean reward of the prompts' means)

@@ -53,35 +53,56 @@ PLOTS_DIR = "plots"
 INPUT_ERROR_EXIT_CODE = 2  # as grpo-train: bad input is the user's to fix
 # config.yaml keys shown at the top of a run's report, in this order.
 SETTINGS = (
-    "model.name_or_path", "model.lora.enabled", "data.path", "data.prompts_per_step", "sampler.group_size",
-    "sampler.temperature", "sampler.max_new_tokens", "trainer.steps", "optimizer.lr", "optimizer.scheduler",
-    "trainer.beta", "trainer.kl_estimator", "trainer.advantage", "trainer.loss_aggregation",
-    "trainer.clip_eps", "trainer.clip_eps_high", "trainer.num_iterations", "trainer.filter_zero_std",
-    "trainer.mask_truncated", "reward.functions",
+    "model.name_or_path",
+    "model.lora.enabled",
+    "data.path",
+    "data.prompts_per_step",
+    "sampler.group_size",
+    "sampler.temperature",
+    "sampler.max_new_tokens",
+    "trainer.steps",
+    "optimizer.lr",
+    "optimizer.scheduler",
+    "trainer.beta",
+    "trainer.kl_estimator",
+    "trainer.advantage",
+    "trainer.loss_aggregation",
+    "trainer.clip_eps",
+    "trainer.clip_eps_high",
+    "trainer.num_iterations",
+    "trainer.filter_zero_std",
+    "trainer.mask_truncated",
+    "reward.functions",
 )
 ABSENT = object()
-WHAT_TO_GIVE = ("Give a run folder (grpo-train's hydra.run.dir, holding metrics.jsonl) or a sweep folder "
-                "(the hydra.sweep.dir of grpo-train -m, holding job folders 0, 1, ...).")
+WHAT_TO_GIVE = (
+    "Give a run folder (grpo-train's hydra.run.dir, holding metrics.jsonl) or a sweep folder "
+    "(the hydra.sweep.dir of grpo-train -m, holding job folders 0, 1, ...)."
+)
 
 
 def main(argv: Optional[list[str]] = None) -> None:
     parser = argparse.ArgumentParser(
         prog="grpo-report",
         description="Write report.md and PNG plots for a grpo-train run folder, or a sweep table "
-                    "(report.md, sweep.csv, plots/heatmap.png) for a grpo-train -m sweep folder.",
+        "(report.md, sweep.csv, plots/heatmap.png) for a grpo-train -m sweep folder.",
     )
-    parser.add_argument("path", type=Path, help="a run folder (holds metrics.jsonl) or a sweep folder "
-                                                "(holds job folders 0, 1, ...)")
-    parser.add_argument("--each-job", action="store_true",
-                        help="for a sweep: also write each finished job's own report.md and plots")
+    parser.add_argument(
+        "path", type=Path, help="a run folder (holds metrics.jsonl) or a sweep folder (holds job folders 0, 1, ...)"
+    )
+    parser.add_argument(
+        "--each-job", action="store_true", help="for a sweep: also write each finished job's own report.md and plots"
+    )
     args = parser.parse_args(argv)
     try:
         report(args.path, Console(), each_job=args.each_job)
     except ReportError as error:
         fail(str(error))
     except OSError as error:  # e.g. a read-only folder: say where, not a traceback
-        fail(f"Cannot write {error.filename}: {error.strerror}. Make the folder writable, or copy "
-             "the run folder somewhere you can write and report on the copy.")
+        fail(
+            f"Cannot write {error.filename}: {error.strerror}. Make the folder writable, or copy "
+            "the run folder somewhere you can write and report on the copy."
+        )
 
 
 def fail(message: str) -> NoReturn:
@@ -121,8 +142,13 @@ def job_folders(folder: Path) -> list[Path]:
     """Hydra's job folders of a sweep, in job order: the subfolders with metrics.jsonl or a
     .hydra folder (a job that crashed before logging has only the latter). Empty when no job
     has metrics and there is no multirun.yaml: then this is not a sweep."""
-    candidates = [child for child in folder.iterdir() if child.is_dir() and not child.name.startswith(".")
-                  and ((child / METRICS_FILE).is_file() or (child / ".hydra").is_dir())]
+    candidates = [
+        child
+        for child in folder.iterdir()
+        if child.is_dir()
+        and not child.name.startswith(".")
+        and ((child / METRICS_FILE).is_file() or (child / ".hydra").is_dir())
+    ]
     if not (folder / "multirun.yaml").is_file() and not any((c / METRICS_FILE).is_file() for c in candidates):
         return []
     return sorted(candidates, key=lambda child: job_order(child.name))
@@ -137,22 +163,30 @@ def write_run_report(run: RunData) -> RunSummary:
         draw_plot(plot, run.rows, plots_dir / f"{plot.name}.png")
     overrides = ", ".join(f"`{key}={value}`" for key, value in run.overrides.items()) or "none"
     lines = [
-        f"# GRPO run report: {run.folder.resolve().name}", "",
+        f"# GRPO run report: {run.folder.resolve().name}",
+        "",
         f"Run folder: `{run.folder.resolve()}`  ",
-        f"Command-line overrides: {overrides}", "",
-        "## Settings (config.yaml)", "",
+        f"Command-line overrides: {overrides}",
+        "",
+        "## Settings (config.yaml)",
+        "",
     ]
     if run.config is None:
         lines.append("config.yaml is missing or unreadable: the settings are unknown.")
     else:
         lines += markdown_table(["key", "value"], settings(run.config))
     lines += [
-        "", "## Summary", "",
-        *markdown_table(["metric", "value"], summary_table(summary)), "",
+        "",
+        "## Summary",
+        "",
+        *markdown_table(["metric", "value"], summary_table(summary)),
+        "",
         f"First and last: the mean of `reward/mean` over the first and last {steps_phrase(summary.window)} "
-        "(a tenth of the steps, 1 to 50). Eval: greedy accuracy on the held-out prompts; \"before\" "
-        "is step 0, before any update. Times and tokens/s: means over all steps.", "",
-        "## Plots", "",
+        '(a tenth of the steps, 1 to 50). Eval: greedy accuracy on the held-out prompts; "before" '
+        "is step 0, before any update. Times and tokens/s: means over all steps.",
+        "",
+        "## Plots",
+        "",
     ]
     for plot in drawn:
         lines += [f"![{plot.title}]({PLOTS_DIR}/{plot.name}.png)", ""]
@@ -170,8 +204,10 @@ def settings(config: DictConfig) -> list[tuple[str, str]]:
         if value is ABSENT:
             continue
         if key == "reward.functions" and isinstance(value, ListConfig):  # grpo_cli.rewards.exact_match -> exact_match
-            text = ", ".join(f"{str(function.get('_target_')).rsplit('.', 1)[-1]} x{function.get('weight', 1.0)}"
-                             for function in value)
+            text = ", ".join(
+                f"{str(function.get('_target_')).rsplit('.', 1)[-1]} x{function.get('weight', 1.0)}"
+                for function in value
+            )
         elif isinstance(value, (DictConfig, ListConfig)):  # e.g. a beta schedule {start, end, ...}
             text = json.dumps(OmegaConf.to_container(value))
         else:
@@ -203,14 +239,19 @@ def write_sweep_report(folder: Path, jobs: list[Path], each_job: bool) -> list[S
     last = "last tenth of its steps (1 to 50)" if window is None else f"last {steps_phrase(window)}"
     swept = ", ".join(f"`{key}` ({', '.join(swept_values(rows, key))})" for key in keys)
     lines = [
-        f"# GRPO sweep report: {folder.resolve().name}", "",
+        f"# GRPO sweep report: {folder.resolve().name}",
+        "",
         f"Sweep folder: `{folder.resolve()}`; {len(rows)} jobs, {failed} failed. "
-        f"Swept: {swept or 'nothing (all jobs share their overrides)'}.", "",
+        f"Swept: {swept or 'nothing (all jobs share their overrides)'}.",
+        "",
         f"Sorted by {metric_label}, best first. Final mean reward: the mean of `reward/mean` over each "
         f"job's {last}; final eval accuracy: its last greedy eval; final KL: its last step's; mean "
-        f"step time: over all its steps. The same table with full precision: [{SWEEP_CSV}]({SWEEP_CSV}).", "",
-        *markdown_table(header, text_cells(cells)), "",
-        "## Heatmap", "",
+        f"step time: over all its steps. The same table with full precision: [{SWEEP_CSV}]({SWEEP_CSV}).",
+        "",
+        *markdown_table(header, text_cells(cells)),
+        "",
+        "## Heatmap",
+        "",
     ]
     lines.append(write_heatmap(folder, rows, keys, metric, metric_label))
     (folder / REPORT_FILE).write_text("\n".join(lines) + "\n")
@@ -230,8 +271,10 @@ def write_heatmap(folder: Path, rows: list[SweepRow], keys: list[str], metric: s
     (folder / PLOTS_DIR).mkdir(exist_ok=True)
     draw_heatmap(grid, metric_label, others, folder / PLOTS_DIR / "heatmap.png")
     averaged = f" Each cell is the mean over the other swept keys: {', '.join(others)}." if others else ""
-    return (f"![{title}]({PLOTS_DIR}/heatmap.png)\n\nCells: {metric_label}; grey \"no result\": no job of "
-            f"that pair finished.{averaged}")
+    return (
+        f'![{title}]({PLOTS_DIR}/heatmap.png)\n\nCells: {metric_label}; grey "no result": no job of '
+        f"that pair finished.{averaged}"
+    )
 
 
 def text_cells(cells: list[list[Any]]) -> list[list[str]]:

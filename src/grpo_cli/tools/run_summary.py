@@ -32,9 +32,9 @@ class ReportError(Exception):
 @dataclass
 class RunData:
     folder: Path
-    rows: list[Row]                 # one per step, ascending; step 0 = the eval before training
-    config: Optional[DictConfig]    # config.yaml, None when absent or unreadable
-    overrides: dict[str, str]       # .hydra/overrides.yaml: {"trainer.beta": "0.01", ...}
+    rows: list[Row]  # one per step, ascending; step 0 = the eval before training
+    config: Optional[DictConfig]  # config.yaml, None when absent or unreadable
+    overrides: dict[str, str]  # .hydra/overrides.yaml: {"trainer.beta": "0.01", ...}
 
 
 def load_run(folder: Path) -> RunData:
@@ -51,7 +51,7 @@ def load_run(folder: Path) -> RunData:
         number, problem = first_bad_line(path)
         raise ReportError(
             f"{path} line {number} is not a metrics row ({problem}). Each line must be one JSON "
-            "object with an integer \"step\", as grpo-train writes it. A run killed while writing "
+            'object with an integer "step", as grpo-train writes it. A run killed while writing '
             "can leave a cut-off last line: delete that line and run grpo-report again.",
             f"{METRICS_FILE} line {number} is corrupt",
         )
@@ -105,7 +105,8 @@ def clean_rows(raw: list[dict[str, Any]]) -> list[Row]:
     by_step: dict[int, Row] = {}
     for row in raw:
         by_step[row["step"]] = {
-            key: value for key, value in row.items()
+            key: value
+            for key, value in row.items()
             if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
         }
     return [by_step[step] for step in sorted(by_step)]
@@ -126,14 +127,14 @@ def summary_window(train_steps: int) -> int:
 @dataclass(frozen=True)
 class RunSummary:
     last_step: int
-    train_steps: int                 # rows with a sampled reward (step 0 is eval only)
-    window: int                      # steps averaged for reward_first / reward_last
-    reward_first: Optional[float]    # mean reward/mean over the first `window` steps
-    reward_last: Optional[float]     # ... over the last `window` steps
-    reward_best: Optional[float]     # the highest reward/mean of one step
+    train_steps: int  # rows with a sampled reward (step 0 is eval only)
+    window: int  # steps averaged for reward_first / reward_last
+    reward_first: Optional[float]  # mean reward/mean over the first `window` steps
+    reward_last: Optional[float]  # ... over the last `window` steps
+    reward_best: Optional[float]  # the highest reward/mean of one step
     reward_best_step: Optional[int]
-    eval_before: Optional[float]     # eval/accuracy at step 0, before any update
-    eval_final: Optional[float]      # the last eval/accuracy logged
+    eval_before: Optional[float]  # eval/accuracy at step 0, before any update
+    eval_final: Optional[float]  # the last eval/accuracy logged
     eval_best: Optional[float]
     eval_best_step: Optional[int]
     kl_final: Optional[float]
@@ -202,8 +203,10 @@ def summary_table(summary: RunSummary) -> list[tuple[str, str]]:
     eval_change = f"{number(summary.eval_before)} -> {number(summary.eval_final)}"
     return [
         ("steps", f"{summary.last_step} ({summary.train_steps} with a sampled reward)"),
-        (f"mean reward, first -> last {steps_phrase(summary.window)}",
-         f"{number(summary.reward_first)} -> {number(summary.reward_last)}"),
+        (
+            f"mean reward, first -> last {steps_phrase(summary.window)}",
+            f"{number(summary.reward_first)} -> {number(summary.reward_last)}",
+        ),
         ("best mean reward (step)", _at_step(summary.reward_best, summary.reward_best_step)),
         ("greedy eval accuracy, before -> final", eval_change),
         ("best eval accuracy (step)", _at_step(summary.eval_best, summary.eval_best_step)),

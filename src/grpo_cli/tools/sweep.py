@@ -14,10 +14,10 @@ from grpo_cli.tools.run_summary import RunSummary, mean
 
 @dataclass(frozen=True)
 class SweepRow:
-    job: str                        # the job's folder name: "0", "1", ...
+    job: str  # the job's folder name: "0", "1", ...
     overrides: dict[str, str]
-    summary: Optional[RunSummary]   # None: the job failed
-    failure: str = ""               # why, when it failed
+    summary: Optional[RunSummary]  # None: the job failed
+    failure: str = ""  # why, when it failed
 
 
 def swept_keys(rows: list[SweepRow]) -> list[str]:
@@ -62,10 +62,17 @@ def sweep_table(rows: list[SweepRow]) -> tuple[list[str], list[list[Any]]]:
     cells = []
     for row in rows:
         summary = row.summary
-        numbers = [None] * len(SWEEP_METRICS) if summary is None else [
-            summary.reward_last, summary.reward_best, summary.eval_final, summary.kl_final,
-            summary.time_means.get("time/step"),
-        ]
+        numbers = (
+            [None] * len(SWEEP_METRICS)
+            if summary is None
+            else [
+                summary.reward_last,
+                summary.reward_best,
+                summary.eval_final,
+                summary.kl_final,
+                summary.time_means.get("time/step"),
+            ]
+        )
         status = "ok" if summary else f"failed: {row.failure}"
         cells.append([row.job, *(row.overrides.get(key, "") for key in keys), status, *numbers])
     return header, cells
@@ -91,8 +98,11 @@ def heatmap_grid(rows: list[SweepRow], x_key: str, y_key: str, metric: str) -> G
     for y in y_values:
         line = []
         for x in x_values:
-            found = [getattr(row.summary, metric) for row in rows
-                     if row.summary and row.overrides.get(x_key) == x and row.overrides.get(y_key) == y]
+            found = [
+                getattr(row.summary, metric)
+                for row in rows
+                if row.summary and row.overrides.get(x_key) == x and row.overrides.get(y_key) == y
+            ]
             line.append(mean([value for value in found if value is not None]))
         cells.append(line)
     return Grid(x_key, y_key, x_values, y_values, cells)

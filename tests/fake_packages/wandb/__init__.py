@@ -17,6 +17,5 @@ class Run:
 
 
 def init(project=None, name=None, dir=None, config=None, id=None, resume=None):
-    calls.append(("init", {"project": project, "name": name, "dir": dir, "config": config, "id": id,
-                           "resume": resume}))
+    calls.append(("init", {"project": project, "name": name, "dir": dir, "config": config, "id": id, "resume": resume}))
     return Run()
