@@ -33,9 +33,14 @@ lock: install
 demo: install
 	$(BIN)/grpo-train
 
+# Two pytest-xdist workers (the CI machines have 2 cores; tests/conftest.py gives each one math
+# thread), tests spread one by one except those grouped to share a fixture (xdist_group).
+PYTEST_WORKERS ?= 2
+XDIST := -n $(PYTEST_WORKERS) --dist loadgroup
+
 # pytest exits 5 when it collected no test: that is a broken suite, not a pass.
 test: install
-	@$(BIN)/python -m pytest; status=$$?; \
+	@$(BIN)/python -m pytest $(XDIST); status=$$?; \
 	if [ $$status -eq 5 ]; then echo "make test: pytest collected no tests"; exit 1; fi; \
 	exit $$status
 
@@ -45,7 +50,7 @@ lint: install
 	$(BIN)/ruff format --check src tests scripts
 
 test-fast: lint
-	$(BIN)/python -m pytest -m 'not slow'
+	$(BIN)/python -m pytest $(XDIST) -m 'not slow'
 
 clean:
 	rm -rf $(VENV) .cache outputs multirun .pytest_cache

