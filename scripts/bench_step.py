@@ -163,7 +163,7 @@ class OurSide:
     def __init__(self, model_dir: Path, sampler: str, bf16: bool = False, device: str = "cpu", dtype: str = "float32"):
         import torch
 
-        from grpo_cli.distributed import SINGLE
+        from grpo_cli.distributed import ONE_PROCESS
         from grpo_cli.pipeline import load_parts
         from grpo_cli.rewards.api import RewardScorer
 
@@ -171,7 +171,7 @@ class OurSide:
         cfg = our_config(model_dir, sampler, bf16, device, dtype)
         rows = prompt_rows()
         self.parts = load_parts(
-            cfg, RewardScorer.from_config(cfg.reward, cfg.trainer.std_eps), rows, torch.device(device), SINGLE
+            cfg, RewardScorer.from_config(cfg.reward, cfg.trainer.std_eps), rows, torch.device(device), ONE_PROCESS
         )
         self.step_number = 0
 
@@ -453,7 +453,7 @@ def phase_times(size: str, repeats: int, shared: bool = True) -> list[tuple[str,
     machine reaches on a large matmul of the model's MLP shape."""
     import torch
 
-    from grpo_cli.algorithm.losses import LossSettings, StepSize, grpo_loss
+    from grpo_cli.algorithm.losses import LossDenominators, LossSettings, grpo_loss
     from grpo_cli.algorithm.update import completion_log_probs
     from grpo_cli.models.loading import reference_model
 
@@ -476,7 +476,7 @@ def phase_times(size: str, repeats: int, shared: bool = True) -> list[tuple[str,
         policy.train()
         log_probs, _ = completion_log_probs(policy, *rows, True, passes_per_group)
         settings = LossSettings(clip_eps=0.2, clip_eps_high=0.2, beta=BETA)
-        step_size = StepSize(log_probs.shape[0], int(rollout.completion_mask.sum()), NEW_TOKENS)
+        denominators = LossDenominators(log_probs.shape[0], int(rollout.completion_mask.sum()), NEW_TOKENS)
         loss, _ = grpo_loss(
             log_probs,
             log_probs.detach(),
@@ -484,7 +484,7 @@ def phase_times(size: str, repeats: int, shared: bool = True) -> list[tuple[str,
             torch.randn(log_probs.shape[0]),
             rollout.completion_mask,
             settings,
-            step_size,
+            denominators,
         )
         marks.append(time.perf_counter())
         loss.backward()

@@ -17,7 +17,7 @@ from grpo_cli.algorithm.optim import make_optimizer, make_scheduler
 from grpo_cli.algorithm.update import update_policy
 from grpo_cli.data.prompts import PromptSource
 from grpo_cli.distributed import (
-    SINGLE,
+    ONE_PROCESS,
     broadcast_from_main,
     end_worker_process,
     join_process_group,
@@ -26,7 +26,6 @@ from grpo_cli.distributed import (
 )
 from grpo_cli.models.loading import load_models, trainable_parameters
 from grpo_cli.records import Advantages
-from grpo_cli.safety.dynamic import select_rows
 from grpo_cli.sampling import make_sampler
 from helpers import config
 
@@ -38,16 +37,16 @@ def full(tensor):
     return tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
 
 
-def train_once(cfg, rollout, advantages, place):
+def train_once(cfg, rollout, advantages, world):
     """One update_policy call on fresh tiny weights; (stats, gradients, weights after)."""
-    models = wrap_for_training(load_models(cfg.model, 0.04, torch.device("cpu")), place)
+    models = wrap_for_training(load_models(cfg.model, 0.04, torch.device("cpu")), world)
     parameters = trainable_parameters(models.policy)
     optimizer = make_optimizer(cfg.optimizer, parameters)
     scheduler = make_scheduler(cfg.optimizer, optimizer, 1)
     gradients = []  # read just before the step: update_policy frees them after it
     optimizer.register_step_pre_hook(lambda *_: gradients.extend(full(p.grad).clone() for p in parameters))
     stats = update_policy(
-        models, rollout, advantages, optimizer, scheduler, cfg.trainer, cfg.optimizer.max_grad_norm, 0.04, place
+        models, rollout, advantages, optimizer, scheduler, cfg.trainer, cfg.optimizer.max_grad_norm, 0.04, world
     )
     return stats, gradients, [full(p.detach()).clone() for p in parameters]
 
@@ -55,7 +54,7 @@ def train_once(cfg, rollout, advantages, place):
 def main() -> None:
     model_dir, aggregation, out = sys.argv[1:4]
     mode = sys.argv[4] if len(sys.argv) > 4 else "ddp"
-    place = join_process_group(mode)
+    world = join_process_group(mode)
     cfg = config(
         model_dir,
         f"data.prompts_per_step={PROMPTS}",
@@ -79,19 +78,19 @@ def main() -> None:
     models = load_models(cfg.model, 0.0, torch.device("cpu"))
     batch = PromptSource(cfg.data, models.tokenizer).next_batch()
     # The same completions everywhere: rank 0 samples, the others receive them.
-    rollout = broadcast_from_main(make_sampler(cfg.sampler, models.tokenizer).sample(models.policy, batch), place)
+    rollout = broadcast_from_main(make_sampler(cfg.sampler, models.tokenizer).sample(models.policy, batch), world)
     rewards = torch.tensor([[1.0, 0.0, 0.0, 1.0], [0.0, 0.0, 1.0, 1.0], [1.0, 1.0, 1.0, 0.0], [0.0, 1.0, 0.0, 0.0]])
     advantages = group_advantages(rewards, std_eps=1e-4, std_threshold=1e-4)
 
-    share = PROMPTS * GROUP // place.world_size
-    rows = list(range(place.rank * share, (place.rank + 1) * share))
+    share = PROMPTS * GROUP // world.world_size
+    rows = list(range(world.rank * share, (world.rank + 1) * share))
     local = Advantages(advantages.values[rows], advantages.zero_std_groups)
-    stats, gradients, weights = train_once(cfg, select_rows(rollout, rows), local, place)
-    if place.is_main:
-        whole_stats, whole_gradients, whole_weights = train_once(cfg, rollout, advantages, SINGLE)
+    stats, gradients, weights = train_once(cfg, rollout.select(rows), local, world)
+    if world.is_main:
+        whole_stats, whole_gradients, whole_weights = train_once(cfg, rollout, advantages, ONE_PROCESS)
         result = {
-            "world_size": place.world_size,
-            "mode": place.mode,
+            "world_size": world.world_size,
+            "mode": world.mode,
             "rows": len(rows),
             "loss": [stats.loss, whole_stats.loss],
             "kl": [stats.kl, whole_stats.kl],

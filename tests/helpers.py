@@ -212,7 +212,7 @@ def homogeneity_p_value(first, second) -> float:
 
 def multinomial_draw(scores, greedy: bool):
     """The draw `generate` makes (torch.multinomial on the softmax of the warped scores), in the
-    signature of grpo_cli.sampling.fast.draw: patched in, the fast sampler draws generate's tokens."""
+    signature of grpo_cli.sampling.fast.draw_tokens: patched in, the fast sampler draws generate's tokens."""
     import torch
 
     return scores.argmax(dim=-1) if greedy else torch.multinomial(scores.softmax(dim=-1), 1).squeeze(1)

@@ -47,7 +47,7 @@ def test_run_dir_holds_config_metrics_and_checkpoints(three_step_run):
         "advantage/std",
         "advantage/zero_std_fraction",
         "kl",
-        "clip_fraction",
+        "clip/fraction",
         "loss",
         "entropy",
         "grad_norm",

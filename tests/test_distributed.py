@@ -22,7 +22,7 @@ from transformers import AutoModelForCausalLM
 from grpo_cli.checkpoint import load_trainer_state
 from grpo_cli.config import ConfigError
 from grpo_cli.distributed import (
-    Distributed,
+    World,
     launched_world_size,
     local_share,
     reduce_metrics,
@@ -99,9 +99,9 @@ def test_every_worker_script_the_tests_launch_ends_as_the_products_worker_does()
 
 def test_local_share_keeps_whole_groups_in_order():
     prompts = list(range(8))
-    assert local_share(prompts, Distributed(0, 2)) == [0, 1, 2, 3]
-    assert local_share(prompts, Distributed(1, 2)) == [4, 5, 6, 7]
-    assert local_share(prompts, Distributed()) == prompts
+    assert local_share(prompts, World(0, 2)) == [0, 1, 2, 3]
+    assert local_share(prompts, World(1, 2)) == [4, 5, 6, 7]
+    assert local_share(prompts, World()) == prompts
 
 
 def test_sampling_seeds_differ_by_rank_and_rank_0_keeps_the_single_process_seed():
@@ -114,7 +114,7 @@ def test_how_metrics_combine_over_ranks():
     assert reduction_of("reward/mean") == "mean" and reduction_of("kl") == "mean"
     assert reduction_of("completion/length_max") == "max" and reduction_of("time/step") == "max"
     assert reduction_of("tokens_per_second") == "sum" and reduction_of("reward/exact_match/errors") == "sum"
-    assert reduce_metrics({"kl": 0.5}, Distributed()) == {"kl": 0.5}  # one process: unchanged
+    assert reduce_metrics({"kl": 0.5}, World()) == {"kl": 0.5}  # one process: unchanged
 
 
 @pytest.mark.parametrize(

@@ -44,7 +44,9 @@ def test_uninformative_groups_are_replaced_by_groups_from_more_rounds():
     more = iter(
         [fake_round("b", [[0, 1], [1, 1]], prompt_length=6), fake_round("c", [[0, 2], [3, 1]], prompt_length=2)]
     )
-    filled = fill_informative_groups(*first, draw=lambda: next(more), target=3, max_rounds=5, std_threshold=1e-4)
+    filled = fill_informative_groups(
+        *first, sample_round=lambda: next(more), target=3, max_rounds=5, std_threshold=1e-4
+    )
     assert filled.extra_rounds == 2 and filled.informative_groups == 3 and filled.sampled_groups == 7
     assert filled.rollout.prompts == ["a1", "a1", "b0", "b0", "c0", "c0"]
     assert filled.rollout.columns["answer"] == ["a1", "a1", "b0", "b0", "c0", "c0"]
@@ -58,7 +60,7 @@ def test_uninformative_groups_are_replaced_by_groups_from_more_rounds():
 
 def test_no_extra_round_when_the_first_draw_is_informative_enough():
     first = fake_round("a", [[1, 0], [0, 1]], prompt_length=3)
-    filled = fill_informative_groups(*first, draw=lambda: 1 / 0, target=2, max_rounds=3, std_threshold=1e-4)
+    filled = fill_informative_groups(*first, sample_round=lambda: 1 / 0, target=2, max_rounds=3, std_threshold=1e-4)
     assert filled.extra_rounds == 0 and filled.rollout.prompt_ids.shape == (4, 3)
 
 
@@ -67,7 +69,9 @@ def test_after_the_round_cap_the_step_is_topped_up_with_uninformative_groups():
     # and the step is topped up with the first all-equal group (A = 0) to keep 3 groups.
     rounds = iter([fake_round("b", [[5, 5], [0, 1]], prompt_length=2)])
     first = fake_round("a", [[1, 1], [1, 0]], prompt_length=2)
-    filled = fill_informative_groups(*first, draw=lambda: next(rounds), target=3, max_rounds=1, std_threshold=1e-4)
+    filled = fill_informative_groups(
+        *first, sample_round=lambda: next(rounds), target=3, max_rounds=1, std_threshold=1e-4
+    )
     assert filled.extra_rounds == 1 and filled.informative_groups == 2
     assert filled.rollout.prompts[::GROUP] == ["a1", "b1", "a0"]
     assert filled.rewards.total.tolist() == [[1, 0], [0, 1], [1, 1]]

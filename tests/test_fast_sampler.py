@@ -13,7 +13,13 @@ import torch
 from grpo_cli.data.prompts import PromptSource
 from grpo_cli.models.loading import load_models
 from grpo_cli.sampling import Sampler, make_sampler
-from grpo_cli.sampling.fast import FastSampler, draw, next_token_scores, runs_layer_by_layer, single_query_attention
+from grpo_cli.sampling.fast import (
+    FastSampler,
+    draw_tokens,
+    next_token_scores,
+    runs_layer_by_layer,
+    single_query_attention,
+)
 from grpo_cli.sampling.hf import HFSampler
 from grpo_cli.sampling.packed import PackedLinears, packed_gemm_available
 from helpers import config, homogeneity_p_value, multinomial_draw, token_counts
@@ -50,9 +56,9 @@ def test_draw_follows_the_probabilities_and_never_picks_a_removed_token():
     torch.manual_seed(0)
     scores = torch.tensor([[0.5, 0.3, 0.2, 1.0]]).log()
     scores[0, 3] = -torch.inf
-    counts = torch.bincount(draw(scores.expand(100_000, 4), greedy=False), minlength=4).double() / 100_000
+    counts = torch.bincount(draw_tokens(scores.expand(100_000, 4), greedy=False), minlength=4).double() / 100_000
     assert counts[3] == 0 and torch.allclose(counts[:3], torch.tensor([0.5, 0.3, 0.2], dtype=torch.float64), atol=0.008)
-    assert draw(scores, greedy=True).tolist() == [0]
+    assert draw_tokens(scores, greedy=True).tolist() == [0]
 
 
 def setup(tiny_model_dir, backend, *overrides):
@@ -141,14 +147,14 @@ def test_sampling_with_packed_weights_draws_from_the_same_distribution(tiny_mode
     def replaying_draw(step_scores, greedy):  # the packed run draws, the plain run takes its tokens
         scores[packing].append(step_scores.clone())
         if packing:
-            drawn.append(draw(step_scores, greedy))
+            drawn.append(draw_tokens(step_scores, greedy))
         return drawn[len(scores[packing]) - 1]
 
     for packing in (True, False):
         monkeypatch.setattr(packed, "packed_gemm_available", lambda packing=packing: packing)
         torch.manual_seed(0)
         with monkeypatch.context() as patch:
-            patch.setattr(fast, "draw", replaying_draw)
+            patch.setattr(fast, "draw_tokens", replaying_draw)
             sampler.sample(models.policy, batch)
     layers = models.policy.config.num_hidden_layers
     # 11 decode steps through 7 linear layers per decoder layer and the head, all with 8 x 4 rows
@@ -257,7 +263,7 @@ def test_with_generates_random_draw_the_fast_sampler_draws_the_very_same_tokens(
     completions = {}
     for backend in ("hf", "fast"):
         if backend == "fast":
-            monkeypatch.setattr(fast, "draw", multinomial_draw)
+            monkeypatch.setattr(fast, "draw_tokens", multinomial_draw)
         cfg, models, sampler = setup(
             tiny_model_dir,
             backend,

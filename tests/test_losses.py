@@ -4,8 +4,8 @@ import pytest
 import torch
 
 from grpo_cli.algorithm.losses import (
+    LossDenominators,
     LossSettings,
-    StepSize,
     grpo_loss,
     kl_k3,
     sequence_mean,
@@ -20,8 +20,8 @@ def paper(clip_eps: float = 0.2, beta: float = 0.0) -> LossSettings:
     return LossSettings(clip_eps=clip_eps, clip_eps_high=clip_eps, beta=beta)
 
 
-def size(sequences: int, tokens: int = 0, max_new_tokens: int = 0) -> StepSize:
-    return StepSize(sequences, tokens, max_new_tokens)
+def size(sequences: int, tokens: int = 0, max_new_tokens: int = 0) -> LossDenominators:
+    return LossDenominators(sequences, tokens, max_new_tokens)
 
 
 def test_token_log_probs_match_log_softmax():

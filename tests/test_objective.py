@@ -24,8 +24,8 @@ from torch.utils._pytree import tree_flatten
 from grpo_cli.algorithm.advantages import group_advantages
 from grpo_cli.algorithm.losses import (
     BetaSchedule,
+    LossDenominators,
     LossSettings,
-    StepSize,
     aggregate,
     beta_at,
     grpo_loss,
@@ -187,7 +187,7 @@ def ours_and_papers(aggregation, mode, kl_estimator, clip_eps_high, rows=None):
     settings = LossSettings(
         clip_eps=0.2, clip_eps_high=clip_eps_high, beta=BETA, kl_estimator=kl_estimator, aggregation=aggregation
     )
-    step = StepSize(sequences=mask.shape[0], tokens=int(mask.sum()), max_new_tokens=MAX_NEW_TOKENS)
+    step = LossDenominators(sequences=mask.shape[0], tokens=int(mask.sum()), max_new_tokens=MAX_NEW_TOKENS)
     ours_input = log_probs.clone().requires_grad_()
     ours, metrics = grpo_loss(ours_input, old, ref, advantages, mask, settings, step)
     ours.backward()
@@ -254,7 +254,7 @@ def test_micro_batch_losses_and_gradients_add_up_to_the_step(aggregation):
     advantages = group_advantages(rewards, STD_EPS, STD_THRESHOLD, "grpo").values
     settings = LossSettings(clip_eps=0.2, clip_eps_high=0.28, beta=BETA, aggregation=aggregation)
     # every micro-batch divides by the WHOLE step's counts, not by its own
-    step = StepSize(sequences=mask.shape[0], tokens=int(mask.sum()), max_new_tokens=MAX_NEW_TOKENS)
+    step = LossDenominators(sequences=mask.shape[0], tokens=int(mask.sum()), max_new_tokens=MAX_NEW_TOKENS)
 
     full_input = log_probs.clone().requires_grad_()
     full, _ = grpo_loss(full_input, old, ref, advantages, mask, settings, step)
@@ -298,7 +298,7 @@ def _one_token_loss(rho: float, advantage: float, clip_eps: float, clip_eps_high
         torch.tensor([advantage], dtype=F64),
         torch.ones(1, 1),
         LossSettings(clip_eps, clip_eps_high, beta=0.0),
-        StepSize(1, 1, 1),
+        LossDenominators(1, 1, 1),
     )
     loss.backward()
     return loss.item(), log_probs.grad.item(), metrics["clipped_high"].item(), metrics["clipped_low"].item()
@@ -344,7 +344,7 @@ def test_the_loss_adds_beta_times_the_chosen_estimator(estimator, value):
         torch.zeros(1, dtype=F64),
         torch.ones(1, 1),
         LossSettings(0.2, 0.2, beta=0.1, kl_estimator=estimator),
-        StepSize(1, 1, 1),
+        LossDenominators(1, 1, 1),
     )
     assert loss.item() == pytest.approx(0.1 * value, abs=1e-7)
     assert metrics["kl_sum"].item() == pytest.approx(value, abs=1e-6)
@@ -357,7 +357,9 @@ def test_kl_importance_correction_weighs_the_kl_by_the_ratio():
     logp = torch.tensor([[math.log(0.5)]], dtype=F64, requires_grad=True)
     old, ref = torch.tensor([[math.log(0.4)]], dtype=F64), torch.tensor([[math.log(0.3)]], dtype=F64)
     settings = LossSettings(0.2, 0.2, beta=0.1, kl_importance_correction=True)
-    loss, metrics = grpo_loss(logp, old, ref, torch.zeros(1, dtype=F64), torch.ones(1, 1), settings, StepSize(1, 1, 1))
+    loss, metrics = grpo_loss(
+        logp, old, ref, torch.zeros(1, dtype=F64), torch.ones(1, 1), settings, LossDenominators(1, 1, 1)
+    )
     loss.backward()
     assert loss.item() == pytest.approx(0.1 * 1.25 * 0.110826, abs=1e-7)
     assert logp.grad.item() == pytest.approx(0.1 * 0.638532, abs=1e-7)
@@ -392,7 +394,7 @@ def _on_policy_two_rows(aggregation: str, max_new_tokens: int = 4):
         torch.tensor([1.0, -2.0], dtype=F64),
         mask,
         LossSettings(0.2, 0.2, beta=0.0, aggregation=aggregation),
-        StepSize(sequences=2, tokens=4, max_new_tokens=max_new_tokens),
+        LossDenominators(sequences=2, tokens=4, max_new_tokens=max_new_tokens),
     )
     loss.backward()
     return loss.item(), log_probs.grad.tolist()
@@ -425,7 +427,7 @@ def test_constant_aggregation_divides_by_sequences_times_max_new_tokens():
 def test_aggregate_divides_by_the_step_counts_not_the_micro_batch_counts():
     per_token = torch.tensor([[4.0, 99.0, 99.0], [1.0, 2.0, 3.0]])
     mask = torch.tensor([[1, 0, 0], [1, 1, 1]])
-    step = StepSize(sequences=5, tokens=10, max_new_tokens=8)
+    step = LossDenominators(sequences=5, tokens=10, max_new_tokens=8)
     # sequence_mean: (4/1 + 6/3) / 5 sequences in the step = 1.2
     assert aggregate(per_token, mask, "sequence_mean", step).item() == pytest.approx(1.2)
     # token_mean: (4 + 1 + 2 + 3) / 10 tokens in the step = 1.0
@@ -450,7 +452,7 @@ def test_clip_metrics_count_each_side_over_masked_tokens_only():
         torch.tensor([1.0, -1.0], dtype=F64),
         mask,
         LossSettings(0.2, 0.2, beta=0.0),
-        StepSize(2, 6, 4),
+        LossDenominators(2, 6, 4),
     )
     assert metrics["clipped_high"].item() == 1
     assert metrics["clipped_low"].item() == 2

@@ -123,7 +123,7 @@ def test_with_generates_draw_the_fast_sampler_draws_the_very_same_tokens(real, m
     rollouts = {}
     for backend in ("hf", "fast"):
         if backend == "fast":
-            monkeypatch.setattr(fast, "draw", multinomial_draw)
+            monkeypatch.setattr(fast, "draw_tokens", multinomial_draw)
         sampler_cfg = cfg.sampler.copy()
         sampler_cfg.backend, sampler_cfg.group_size, sampler_cfg.max_new_tokens = backend, 4, 10
         sampler_cfg.temperature, sampler_cfg.top_k, sampler_cfg.top_p = 1.2, 50, 0.95

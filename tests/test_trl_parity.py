@@ -253,12 +253,12 @@ def test_loss_and_gradient_equal_trl(
 def test_the_aggregations_differ_on_this_rollout(rollout_and_advantages):
     """The parity cases are not vacuous: on the edited rollout (lengths 1..4) the three
     aggregations of the same per-token values give three different numbers."""
-    from grpo_cli.algorithm.losses import StepSize, aggregate
+    from grpo_cli.algorithm.losses import LossDenominators, aggregate
 
     rollout, _ = rollout_and_advantages
     mask = rollout.completion_mask
     values = torch.arange(mask.numel(), dtype=torch.float32).reshape(mask.shape)
-    step = StepSize(sequences=mask.shape[0], tokens=int(mask.sum()), max_new_tokens=mask.shape[1])
+    step = LossDenominators(sequences=mask.shape[0], tokens=int(mask.sum()), max_new_tokens=mask.shape[1])
     results = {name: float(aggregate(values, mask, name, step)) for name in ("sequence_mean", "token_mean", "constant")}
     assert len({round(value, 6) for value in results.values()}) == 3, results
 

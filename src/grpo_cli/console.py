@@ -57,7 +57,7 @@ def status_lines(row: dict[str, Any], last_eval: Optional[dict[str, Any]] = None
     lines.append(
         (
             "clip fraction",
-            f"{percent(get('clip_fraction'))} (high {percent(get('clip/high_fraction'))}, "
+            f"{percent(get('clip/fraction'))} (high {percent(get('clip/high_fraction'))}, "
             f"low {percent(get('clip/low_fraction'))})",
         )
     )

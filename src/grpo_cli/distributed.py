@@ -12,13 +12,14 @@ its environment and joins the process group (NCCL on CUDA, gloo on CPU). Then:
 - gradients are synchronized by DistributedDataParallel (`trainer.distributed=ddp`), or the
   model is sharded by FSDP2's `fully_shard` (`trainer.distributed=fsdp`);
 - the loss of each rank is its share of the global loss: sequence and token counts in its
-  denominators are summed over ranks (`global_step_size`), so token_mean divides by the global
+  denominators are summed over ranks (`update.micro_batches`), so token_mean divides by the global
   token count; and since DDP averages gradients over ranks, each rank's loss is multiplied by N;
 - metrics are reduced over ranks for logging (`reduce_metrics`), and only rank 0 prints, logs
   and writes checkpoints; every rank loads the same checkpoint on resume.
 
-`Distributed` describes this process's place; `SINGLE` is a plain one-process run, for which
-every function here is the identity and calls no collective.
+`World` says where this process stands among the run's processes (its rank, how many there
+are, DDP or FSDP); `ONE_PROCESS` is a plain run, for which every function here is the identity
+and calls no collective.
 """
 
 from __future__ import annotations
@@ -36,7 +37,9 @@ from grpo_cli.launch import launched_world_size
 
 
 @dataclass(frozen=True)
-class Distributed:
+class World:
+    """This process among the run's processes (torchrun's RANK, WORLD_SIZE, LOCAL_RANK)."""
+
     rank: int = 0
     world_size: int = 1
     local_rank: int = 0
@@ -51,14 +54,14 @@ class Distributed:
         return self.rank == 0
 
 
-SINGLE = Distributed()
+ONE_PROCESS = World()
 
 
-def join_process_group(mode: str) -> Distributed:
-    """Join torchrun's process group (once); SINGLE when not launched by torchrun."""
+def join_process_group(mode: str) -> World:
+    """Join torchrun's process group (once); ONE_PROCESS when not launched by torchrun."""
     world_size = launched_world_size()
     if world_size <= 1:
-        return SINGLE
+        return ONE_PROCESS
     import torch.distributed as dist
 
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
@@ -66,7 +69,7 @@ def join_process_group(mode: str) -> Distributed:
         if torch.cuda.is_available():
             torch.cuda.set_device(local_rank)
         dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
-    return Distributed(dist.get_rank(), dist.get_world_size(), local_rank, mode)
+    return World(dist.get_rank(), dist.get_world_size(), local_rank, mode)
 
 
 def leave_process_group() -> None:
@@ -98,10 +101,10 @@ def end_worker_process() -> None:
     os._exit(0)
 
 
-def rank_device(setting: str, place: Distributed) -> str:
+def rank_device(setting: str, world: World) -> str:
     """Under torchrun each rank uses its own GPU: `cuda` / `auto` become cuda:LOCAL_RANK."""
-    if place.enabled and torch.cuda.is_available() and setting.lower() in ("auto", "cuda"):
-        return f"cuda:{place.local_rank}"
+    if world.enabled and torch.cuda.is_available() and setting.lower() in ("auto", "cuda"):
+        return f"cuda:{world.local_rank}"
     return setting
 
 
@@ -111,27 +114,27 @@ def sampling_seed(seed: int, step: int, rank: int) -> int:
     return seed * 1_000_003 + step + rank * 1_000_000_007
 
 
-def local_share(items: list[Any], place: Distributed) -> list[Any]:
+def local_share(items: list[Any], world: World) -> list[Any]:
     """This rank's contiguous share of a global list whose length world_size divides.
     Example: 8 prompts, 2 ranks -> rank 0 keeps items 0..3, rank 1 items 4..7."""
-    if not place.enabled:
+    if not world.enabled:
         return items
-    share = len(items) // place.world_size
-    return items[place.rank * share : (place.rank + 1) * share]
+    share = len(items) // world.world_size
+    return items[world.rank * share : (world.rank + 1) * share]
 
 
-def sum_over_ranks(values: list[float], place: Distributed) -> list[float]:
+def sum_over_ranks(values: list[float], world: World) -> list[float]:
     """Element-wise sums of `values` over all ranks (float64, so counts stay exact)."""
-    return _all_reduce(values, place, "SUM")
+    return _all_reduce(values, world, "SUM")
 
 
-def max_over_ranks(values: list[float], place: Distributed) -> list[float]:
+def max_over_ranks(values: list[float], world: World) -> list[float]:
     """Element-wise maxima of `values` over all ranks."""
-    return _all_reduce(values, place, "MAX")
+    return _all_reduce(values, world, "MAX")
 
 
-def _all_reduce(values: list[float], place: Distributed, operation: str) -> list[float]:
-    if not place.enabled:
+def _all_reduce(values: list[float], world: World, operation: str) -> list[float]:
+    if not world.enabled:
         return list(values)
     import torch.distributed as dist
 
@@ -142,21 +145,21 @@ def _all_reduce(values: list[float], place: Distributed, operation: str) -> list
     return tensor.cpu().tolist()
 
 
-def _gathered(values: list[float], place: Distributed) -> torch.Tensor:
+def _gathered(values: list[float], world: World) -> torch.Tensor:
     """Every rank's `values`, stacked in rank order: [world_size, len(values)], float64 on CPU."""
     import torch.distributed as dist
 
     tensor = torch.tensor(values, dtype=torch.float64)
     if dist.get_backend() == "nccl":  # NCCL gathers CUDA tensors only
         tensor = tensor.cuda()
-    ranks = [torch.empty_like(tensor) for _ in range(place.world_size)]
+    ranks = [torch.empty_like(tensor) for _ in range(world.world_size)]
     dist.all_gather(ranks, tensor)
     return torch.stack(ranks).cpu()
 
 
-def broadcast_from_main(value: Any, place: Distributed) -> Any:
+def broadcast_from_main(value: Any, world: World) -> Any:
     """Rank 0's `value` on every rank (any picklable object)."""
-    if not place.enabled:
+    if not world.enabled:
         return value
     import torch.distributed as dist
 
@@ -165,8 +168,8 @@ def broadcast_from_main(value: Any, place: Distributed) -> Any:
     return box[0]
 
 
-def barrier(place: Distributed) -> None:
-    if place.enabled:
+def barrier(world: World) -> None:
+    if world.enabled:
         import torch.distributed as dist
 
         dist.barrier()
@@ -191,15 +194,15 @@ def reduction_of(key: str) -> str:
     return "mean"
 
 
-def reduce_metrics(metrics: dict[str, Any], place: Distributed) -> dict[str, Any]:
+def reduce_metrics(metrics: dict[str, Any], world: World) -> dict[str, Any]:
     """One metrics row for the whole step from each rank's row (every rank gets the result).
     A value missing (None) on some rank is averaged over the ranks that have it."""
-    if not place.enabled:
+    if not world.enabled:
         return metrics
     keys = sorted(key for key, value in metrics.items() if isinstance(value, (int, float)) or value is None)
     present = [0.0 if metrics[key] is None else 1.0 for key in keys]
     values = [0.0 if metrics[key] is None else float(metrics[key]) for key in keys]
-    ranks = _gathered(values + present, place)  # [world_size, 2 x keys]: one collective per step
+    ranks = _gathered(values + present, world)  # [world_size, 2 x keys]: one collective per step
     values, present = ranks[:, : len(keys)], ranks[:, len(keys) :].bool()
     sums, counts = values.sum(dim=0).tolist(), present.sum(dim=0).tolist()
     maxima = values.masked_fill(~present, -math.inf).max(dim=0).values.tolist()
@@ -214,10 +217,10 @@ def reduce_metrics(metrics: dict[str, Any], place: Distributed) -> dict[str, Any
     return reduced
 
 
-def wrap_for_training(models: Any, place: Distributed) -> Any:
+def wrap_for_training(models: Any, world: World) -> Any:
     """The models prepared for data parallel training (unchanged in one process).
 
-    ddp: `models.trained` is a DistributedDataParallel wrapper of the policy (which broadcasts
+    ddp: `models.ddp` is a DistributedDataParallel wrapper of the policy (which broadcasts
     rank 0's weights at construction); the loss goes through it, sampling, the reference pass
     (LoRA: adapter off) and checkpoints through the policy itself, which shares its parameters.
 
@@ -225,11 +228,11 @@ def wrap_for_training(models: Any, place: Distributed) -> Any:
     a full fine-tune's frozen reference): each rank keeps 1/N of the weights, gradients and
     optimizer state and gathers a layer's weights only for its forward and backward.
     """
-    if not place.enabled:
+    if not world.enabled:
         return models
     from dataclasses import replace
 
-    if place.mode == "fsdp":
+    if world.mode == "fsdp":
         for model in (models.policy, models.reference):
             if model is not None:
                 _shard(model)
@@ -237,7 +240,7 @@ def wrap_for_training(models: Any, place: Distributed) -> Any:
     from torch.nn.parallel import DistributedDataParallel
 
     device_ids = [models.device.index] if models.device.type == "cuda" else None
-    return replace(models, trained=DistributedDataParallel(models.policy, device_ids=device_ids))
+    return replace(models, ddp=DistributedDataParallel(models.policy, device_ids=device_ids))
 
 
 def _shard(model: torch.nn.Module) -> None:
@@ -253,17 +256,15 @@ def _shard(model: torch.nn.Module) -> None:
     fully_shard(base)
 
 
-def is_sharded(place: Distributed) -> bool:
-    return place.enabled and place.mode == "fsdp"
+def is_sharded(world: World) -> bool:
+    return world.enabled and world.mode == "fsdp"
 
 
-def full_states(
-    policy: torch.nn.Module, optimizer: torch.optim.Optimizer, place: Distributed
-) -> tuple[Any, dict[str, Any]]:
+def full_states(policy: torch.nn.Module, optimizer: torch.optim.Optimizer, world: World) -> tuple[Any, dict[str, Any]]:
     """(model state dict or None, optimizer state dict) for a checkpoint. Under FSDP the shards
     are gathered into full tensors on rank 0 (a collective: every rank calls it); otherwise the
     model state is None (save_pretrained reads the model itself) and the optimizer's own."""
-    if not is_sharded(place):
+    if not is_sharded(world):
         return None, optimizer.state_dict()
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
 
@@ -272,10 +273,10 @@ def full_states(
 
 
 def load_optimizer_state(
-    policy: torch.nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any], place: Distributed
+    policy: torch.nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any], world: World
 ) -> None:
     """Restore the optimizer from a checkpoint's (full) state dict, sharding it under FSDP."""
-    if not is_sharded(place):
+    if not is_sharded(world):
         optimizer.load_state_dict(state)
         return
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
@@ -283,9 +284,9 @@ def load_optimizer_state(
     set_optimizer_state_dict(policy, optimizer, state, options=StateDictOptions(full_state_dict=True))
 
 
-def weights_spread(parameters: list[torch.Tensor], place: Distributed) -> float:
+def weights_spread(parameters: list[torch.Tensor], world: World) -> float:
     """max - min over ranks of a float64 checksum of the trainable weights: exactly 0 while the
     ranks hold the same weights (DDP), which `distributed/weights_spread` shows every step."""
     checksum = float(sum(parameter.detach().double().sum() for parameter in parameters))
-    highest, negated_lowest = max_over_ranks([checksum, -checksum], place)
+    highest, negated_lowest = max_over_ranks([checksum, -checksum], world)
     return highest + negated_lowest

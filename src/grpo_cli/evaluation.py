@@ -36,14 +36,14 @@ def evaluate(
     completions per prompt, the best first-function score among them, averaged over prompts
     (for a 0/1 correctness reward: the fraction of prompts solved at least once, pass@G).
     """
-    place, names = prompts.place, scorer.names
+    world, names = prompts.world, scorer.names
     # Sums over this rank's prompts (every world_size-th one under torchrun), then over ranks.
     sums = {f"eval/{name}": 0.0 for name in names} | {"eval/reward": 0.0, "eval/pass_at_k": 0.0}
-    torch.manual_seed(seed + place.rank)  # the same pass@k draw at every eval (and on resume)
-    mine = rows[place.rank :: place.world_size]
+    torch.manual_seed(seed + world.rank)  # the same pass@k draw at every eval (and on resume)
+    mine = rows[world.rank :: world.world_size]
     # Every rank runs the same number of batches (FSDP ranks gather weights together): a short
     # share is topped up with copies of its first row, which weigh 0.
-    share = -(-len(rows) // place.world_size)
+    share = -(-len(rows) // world.world_size)
     weights = torch.tensor([1.0] * len(mine) + [0.0] * (share - len(mine)))
     mine = mine + [rows[0]] * (share - len(mine))
     for start in range(0, share, EVAL_BATCH):
@@ -57,7 +57,7 @@ def evaluate(
         if pass_at_k:
             sums["eval/pass_at_k"] += _solved_sum(policy, sampler, scorer, prompts, chunk, weight)
     keys = sorted(sums)
-    totals = dict(zip(keys, sum_over_ranks([sums[key] for key in keys], place)))
+    totals = dict(zip(keys, sum_over_ranks([sums[key] for key in keys], world)))
     metrics = {key: total / len(rows) for key, total in totals.items()}
     metrics["eval/accuracy"] = metrics[f"eval/{names[0]}"]
     if not pass_at_k:

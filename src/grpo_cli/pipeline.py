@@ -25,8 +25,8 @@ from grpo_cli.config import BetaSchedule, ConfigError, beta_schedule, boosted_gr
 from grpo_cli.console import sample_entries
 from grpo_cli.data.prompts import PromptSource, train_and_eval_rows
 from grpo_cli.distributed import (
-    SINGLE,
-    Distributed,
+    ONE_PROCESS,
+    World,
     broadcast_from_main,
     is_sharded,
     join_process_group,
@@ -76,7 +76,7 @@ class RunParts:
     optimizer: torch.optim.Optimizer
     scheduler: torch.optim.lr_scheduler.LRScheduler
     betas: BetaSchedule
-    place: Distributed = SINGLE  # this process's rank under torchrun
+    world: World = ONE_PROCESS  # this process's rank under torchrun
 
 
 @dataclass
@@ -94,36 +94,36 @@ def run(cfg: Any) -> Optional[RunResult]:
         print_plan(cfg)
         return None
     validate(cfg)
-    place = join_process_group(cfg.trainer.distributed)  # SINGLE unless started by torchrun
+    world = join_process_group(cfg.trainer.distributed)  # ONE_PROCESS unless started by torchrun
     folder = cfg.trainer.output_dir  # rank 0's: the one it writes to (train raises when it is unset)
     try:
-        with hold_run_folder(Path(folder)) if folder and place.is_main else contextlib.nullcontext():
-            return train(cfg, place)
+        with hold_run_folder(Path(folder)) if folder and world.is_main else contextlib.nullcontext():
+            return train(cfg, world)
     finally:
         leave_process_group()
 
 
-def train(cfg: Any, place: Distributed) -> RunResult:
+def train(cfg: Any, world: World) -> RunResult:
     trainer = cfg.trainer
-    output_dir = run_folder(trainer, place)
-    resume_from = find_resume_checkpoint(trainer.resume, output_dir, report=print if place.is_main else ignore)
+    output_dir = run_folder(trainer, world)
+    resume_from = find_resume_checkpoint(trainer.resume, output_dir, report=print if world.is_main else ignore)
     scorer = RewardScorer.from_config(cfg.reward, trainer.std_eps)  # imports each _target_: fails before loading
     seed_everything(trainer.seed)
-    device = resolve_device(rank_device(trainer.device, place))
+    device = resolve_device(rank_device(trainer.device, world))
     train_rows, eval_rows = train_and_eval_rows(cfg.data)
-    check_memory(cfg, device, train_rows + eval_rows, output_dir, place)  # stops here if it will not fit
-    parts = load_parts(cfg, scorer, train_rows, device, place, resume_from)
+    check_memory(cfg, device, train_rows + eval_rows, output_dir, world)  # stops here if it will not fit
+    parts = load_parts(cfg, scorer, train_rows, device, world, resume_from)
     state = TrainState(
         parts.models.policy,
         parts.optimizer,
         parts.scheduler,
         parts.prompts,
         AdaptiveGroupState.from_state_dict(None, cfg.sampler.group_size),
-        place=place,
+        world=world,
     )
     if resume_from is not None:
         state.resume(resume_from)
-    log = open_log(cfg, output_dir, state.step, place)
+    log = open_log(cfg, output_dir, state.step, world)
     if resume_from is not None:
         log.print(f"Resuming from {resume_from} (step {state.step}).")
     started, start_step = time.perf_counter(), state.step
@@ -142,7 +142,7 @@ def train(cfg: Any, place: Distributed) -> RunResult:
                 if trainer.guard.enabled:  # before the checkpoint: a bad step is never saved as good
                     guard_step(trainer.guard, state, metrics, output_dir, log)
                 log_step(log, trainer, step, result)
-                stopping = stop_requested(stop, place)
+                stopping = stop_requested(stop, world)
                 if final or (trainer.checkpoint_every and step % trainer.checkpoint_every == 0) or stopping:
                     meta = {"reward_mean": metrics["reward/mean"], "kl": metrics["kl"], "beta": result.beta}
                     last_checkpoint = state.save(
@@ -173,20 +173,20 @@ def interrupted(log: RunLogger | QuietLogger, step: int, output_dir: Path) -> No
     raise SystemExit(130) from None
 
 
-def run_folder(trainer: Any, place: Distributed) -> Path:
+def run_folder(trainer: Any, world: World) -> Path:
     """trainer.output_dir, created; under torchrun rank 0's name (ranks may have named it at
     different seconds)."""
     if not trainer.output_dir:
         raise ConfigError("trainer.output_dir is not set: give the folder the run writes to.")
-    output_dir = Path(broadcast_from_main(trainer.output_dir, place))
+    output_dir = Path(broadcast_from_main(trainer.output_dir, world))
     output_dir.mkdir(parents=True, exist_ok=True)
     return output_dir
 
 
-def open_log(cfg: Any, output_dir: Path, start_step: int, place: Distributed) -> RunLogger | QuietLogger:
+def open_log(cfg: Any, output_dir: Path, start_step: int, world: World) -> RunLogger | QuietLogger:
     """Rank 0 saves the resolved config and logs (console, metrics.jsonl, backends); the others
     stay quiet."""
-    if not place.is_main:
+    if not world.is_main:
         return QuietLogger()
     OmegaConf.save(cfg, output_dir / "config.yaml", resolve=True)
     return RunLogger(
@@ -266,11 +266,11 @@ def log_step(log: RunLogger | QuietLogger, trainer: Any, step: int, result: Step
         log.log_samples(sample_entries(step, result.rollout, result.rewards, result.advantages, trainer.sample_prompts))
 
 
-def stop_requested(stop: StopRequests, place: Distributed) -> Optional[str]:
+def stop_requested(stop: StopRequests, world: World) -> Optional[str]:
     """Why the run stops after this step (a SIGINT or SIGTERM), or None. A signal may reach one
     rank first: the ranks agree, so all stop after the same step."""
-    if place.enabled:
-        stopping = max_over_ranks([float(stop.requested is not None)], place)[0]
+    if world.enabled:
+        stopping = max_over_ranks([float(stop.requested is not None)], world)[0]
         stop.requested = stop.requested or ("a signal to another process" if stopping else None)
     return stop.requested
 
@@ -280,19 +280,19 @@ def load_parts(
     scorer: RewardScorer,
     train_rows: list[dict[str, Any]],
     device: torch.device,
-    place: Distributed = SINGLE,
+    world: World = ONE_PROCESS,
     resume_from: Optional[Path] = None,
 ) -> RunParts:
     """Models (the policy from `resume_from` when given), prompts, optimizer, scheduler and
     sampler: what `train_step` works with (scripts/bench_step.py builds them the same way)."""
     betas = beta_schedule(cfg.trainer.beta)
     models = load_models(cfg.model, betas.peak, device, checkpoint=str(resume_from) if resume_from else None)
-    models = wrap_for_training(models, place)
-    prompts = PromptSource(cfg.data, models.tokenizer, train_rows, place)
+    models = wrap_for_training(models, world)
+    prompts = PromptSource(cfg.data, models.tokenizer, train_rows, world)
     optimizer = make_optimizer(cfg.optimizer, trainable_parameters(models.policy))
     scheduler = make_scheduler(cfg.optimizer, optimizer, cfg.trainer.steps * cfg.trainer.num_iterations)
-    sampler = make_sampler(cfg.sampler, models.tokenizer, synced=is_sharded(place), autocast=models.autocast_dtype)
-    return RunParts(cfg, models, sampler, scorer, prompts, optimizer, scheduler, betas, place)
+    sampler = make_sampler(cfg.sampler, models.tokenizer, synced=is_sharded(world), autocast=models.autocast_dtype)
+    return RunParts(cfg, models, sampler, scorer, prompts, optimizer, scheduler, betas, world)
 
 
 def train_step(parts: RunParts, step: int, group_size: int, beta_scale: float) -> StepResult:
@@ -305,7 +305,7 @@ def train_step(parts: RunParts, step: int, group_size: int, beta_scale: float) -
     cfg, trainer = parts.cfg, parts.cfg.trainer
     # Sampling randomness is a function of (seed, step) alone, so a resumed run draws exactly
     # what an unbroken one would have.
-    torch.manual_seed(sampling_seed(trainer.seed, step, parts.place.rank))
+    torch.manual_seed(sampling_seed(trainer.seed, step, parts.world.rank))
     step_started = time.perf_counter()
     cost = SamplingCost()
 
@@ -331,7 +331,7 @@ def train_step(parts: RunParts, step: int, group_size: int, beta_scale: float) -
         trainer,
         cfg.optimizer.max_grad_norm,
         beta,
-        parts.place,
+        parts.world,
     )
     updated = time.perf_counter()
 
@@ -343,11 +343,11 @@ def train_step(parts: RunParts, step: int, group_size: int, beta_scale: float) -
         "time/step": updated - step_started,
         "memory/rss_gb": resident_memory_gb(),
     }
-    if parts.place.enabled:  # one row for the whole step; and (DDP) proof the ranks hold the same weights
-        metrics = reduce_metrics(metrics, parts.place)
-        if not is_sharded(parts.place):
+    if parts.world.enabled:  # one row for the whole step; and (DDP) proof the ranks hold the same weights
+        metrics = reduce_metrics(metrics, parts.world)
+        if not is_sharded(parts.world):
             metrics["distributed/weights_spread"] = weights_spread(
-                trainable_parameters(parts.models.policy), parts.place
+                trainable_parameters(parts.models.policy), parts.world
             )
     return StepResult(metrics, rollout, rewards, advantages, beta)
 
@@ -404,7 +404,7 @@ def step_metrics(
             "advantage/zero_std_fraction": advantages.zero_std_groups.float().mean().item(),
             "loss": stats.loss,
             "kl": stats.kl,
-            "clip_fraction": stats.clip_fraction,
+            "clip/fraction": stats.clip_fraction,
             "clip/high_fraction": stats.clip_high_fraction,
             "clip/low_fraction": stats.clip_low_fraction,
             "ratio/max_deviation": max(stats.ratio_deviation_by_pass, default=None),

@@ -6,7 +6,7 @@ length (at most sampler.max_new_tokens). Completion i of prompt b sits at row b 
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -40,6 +40,45 @@ class Rollout:
     @property
     def num_prompts(self) -> int:
         return len(self.prompts) // self.group_size
+
+    def select(self, rows: list[int]) -> Rollout:
+        """The completions at `rows` (row b * G + i is completion i of prompt b), in that order."""
+        index = torch.tensor(rows, dtype=torch.long)
+        return replace(
+            self,
+            prompt_ids=self.prompt_ids[index],
+            prompt_mask=self.prompt_mask[index],
+            completion_ids=self.completion_ids[index],
+            completion_mask=self.completion_mask[index],
+            truncated=self.truncated[index],
+            prompts=[self.prompts[row] for row in rows],
+            completions=[self.completions[row] for row in rows],
+            columns={key: [values[row] for row in rows] for key, values in self.columns.items()},
+        )
+
+    @staticmethod
+    def concatenate(parts: list[Rollout]) -> Rollout:
+        """Rollouts of one step's sampling rounds as one, rows in order. Rounds were padded to
+        different lengths: prompts are left-padded and completions right-padded to the longest,
+        with id 0 and mask 0 (never attended, never in the loss)."""
+
+        def padded(name: str, left: bool) -> torch.Tensor:
+            tensors = [getattr(part, name) for part in parts]
+            length = max(tensor.shape[1] for tensor in tensors)
+            sides = [(length - tensor.shape[1], 0) if left else (0, length - tensor.shape[1]) for tensor in tensors]
+            return torch.cat([torch.nn.functional.pad(tensor, side) for tensor, side in zip(tensors, sides)])
+
+        return replace(
+            parts[0],
+            prompt_ids=padded("prompt_ids", left=True),
+            prompt_mask=padded("prompt_mask", left=True),
+            completion_ids=padded("completion_ids", left=False),
+            completion_mask=padded("completion_mask", left=False),
+            truncated=torch.cat([part.truncated for part in parts]),
+            prompts=[text for part in parts for text in part.prompts],
+            completions=[text for part in parts for text in part.completions],
+            columns={key: [value for part in parts for value in part.columns[key]] for key in parts[0].columns},
+        )
 
 
 @dataclass

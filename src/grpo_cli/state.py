@@ -32,8 +32,8 @@ from grpo_cli.checkpoint import (
 from grpo_cli.config import ConfigError, resume_mode
 from grpo_cli.data.prompts import PromptSource
 from grpo_cli.distributed import (
-    SINGLE,
-    Distributed,
+    ONE_PROCESS,
+    World,
     barrier,
     broadcast_from_main,
     full_states,
@@ -55,12 +55,12 @@ class TrainState:
     adaptive: AdaptiveGroupState
     guard: GuardState = field(default_factory=GuardState)
     step: int = 0  # the last step done
-    place: Distributed = SINGLE
+    world: World = ONE_PROCESS
 
     def state_dict(self) -> tuple[Optional[dict[str, Any]], dict[str, Any]]:
         """(the policy's full weights under FSDP else None, trainer_state.pt's contents without
         the RNGs, which save_checkpoint adds). A collective under FSDP: every rank calls it."""
-        model_state, optimizer_state = full_states(self.policy, self.optimizer, self.place)
+        model_state, optimizer_state = full_states(self.policy, self.optimizer, self.world)
         return model_state, {
             "optimizer": optimizer_state,
             "scheduler": self.scheduler.state_dict(),
@@ -85,11 +85,11 @@ class TrainState:
                 keep_best=keep_best,
                 model_state=model_state,
             )
-            if self.place.is_main
+            if self.world.is_main
             else None
         )
-        barrier(self.place)
-        return broadcast_from_main(saved, self.place)
+        barrier(self.world)
+        return broadcast_from_main(saved, self.world)
 
     def resume(self, checkpoint: Path) -> None:
         """Continue from `checkpoint`, whose weights the policy was loaded from: the step, the
@@ -101,7 +101,7 @@ class TrainState:
                 "cannot continue from it. Resume from an earlier checkpoint (trainer.resume=PATH)."
             )
         state = load_trainer_state(checkpoint)
-        load_optimizer_state(self.policy, self.optimizer, state["optimizer"], self.place)
+        load_optimizer_state(self.policy, self.optimizer, state["optimizer"], self.world)
         self.scheduler.load_state_dict(state["scheduler"])
         self.prompts.load_state_dict(state["data"])
         set_rng_state(state["rng"])
@@ -112,8 +112,8 @@ class TrainState:
     def restore_weights(self, checkpoint: Path) -> None:
         """The guard's rollback: `checkpoint`'s weights and optimizer moments; the step, the data
         position and the RNGs go on. A collective under FSDP."""
-        load_policy_weights(self.policy, checkpoint, sharded=is_sharded(self.place))
-        load_optimizer_state(self.policy, self.optimizer, load_trainer_state(checkpoint)["optimizer"], self.place)
+        load_policy_weights(self.policy, checkpoint, sharded=is_sharded(self.world))
+        load_optimizer_state(self.policy, self.optimizer, load_trainer_state(checkpoint)["optimizer"], self.world)
 
 
 def find_resume_checkpoint(resume: Any, output_dir: Path, report: Callable[[str], None] = print) -> Optional[Path]:

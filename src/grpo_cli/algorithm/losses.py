@@ -150,7 +150,7 @@ def sequence_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return (values * mask).sum(dim=1) / mask.sum(dim=1).clamp(min=1.0)
 
 
-class StepSize(NamedTuple):
+class LossDenominators(NamedTuple):
     """The whole step's counts that each micro-batch's loss is divided by, so that the micro-batch
     losses add up to the step's loss whatever the micro-batch size."""
 
@@ -159,7 +159,7 @@ class StepSize(NamedTuple):
     max_new_tokens: int  # the constant of Dr. GRPO's aggregation
 
 
-def aggregate(per_token: torch.Tensor, mask: torch.Tensor, aggregation: str, step: StepSize) -> torch.Tensor:
+def aggregate(per_token: torch.Tensor, mask: torch.Tensor, aggregation: str, step: LossDenominators) -> torch.Tensor:
     """Reduce per-token losses [N, T] of one micro-batch to its share of the step's scalar loss.
 
     sequence_mean: sum_i (1/|o_i| sum_t l_it) / sequences      (GRPO paper)
@@ -205,7 +205,7 @@ def grpo_loss(
     advantages: torch.Tensor,  # [N]
     mask: torch.Tensor,  # [N, T] completion tokens in the loss
     settings: LossSettings,
-    step: StepSize,
+    step: LossDenominators,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """The loss of one micro-batch, and detached sums for the step's metrics.
 

@@ -21,9 +21,9 @@ from typing import NamedTuple
 
 import torch
 
-from grpo_cli.algorithm.losses import LossSettings, StepSize, grpo_loss, token_entropy, token_log_probs
+from grpo_cli.algorithm.losses import LossDenominators, LossSettings, grpo_loss, token_entropy, token_log_probs
 from grpo_cli.config import TrainerConfig
-from grpo_cli.distributed import SINGLE, Distributed, max_over_ranks, sum_over_ranks
+from grpo_cli.distributed import ONE_PROCESS, World, max_over_ranks, sum_over_ranks
 from grpo_cli.models.loading import Models, reference_model, trainable_parameters
 from grpo_cli.records import Advantages, Rollout, UpdateStats
 
@@ -215,19 +215,19 @@ class StepTotals:
         self.tokens_by_pass.append(0.0)
         self.deviation_by_pass.append(0.0)
 
-    def over_ranks(self, place: Distributed) -> StepTotals:
+    def over_ranks(self, world: World) -> StepTotals:
         """The whole step's totals: sums (the deviation: the max) over torchrun ranks, in one
         all-reduce; the identity in one process."""
         passes = len(self.clipped_by_pass)
         summed = sum_over_ranks(
-            [getattr(self, name) for name in self.SUMMED] + self.clipped_by_pass + self.tokens_by_pass, place
+            [getattr(self, name) for name in self.SUMMED] + self.clipped_by_pass + self.tokens_by_pass, world
         )
         per_pass = summed[len(self.SUMMED) :]
         return StepTotals(
             **dict(zip(self.SUMMED, summed)),
             clipped_by_pass=per_pass[:passes],
             tokens_by_pass=per_pass[passes:],
-            deviation_by_pass=max_over_ranks(self.deviation_by_pass, place),
+            deviation_by_pass=max_over_ranks(self.deviation_by_pass, world),
         )
 
     def stats(self, grad_norm: float, loss_tokens: int, skipped: int) -> UpdateStats:
@@ -270,19 +270,19 @@ def update_policy(
     trainer: TrainerConfig,
     max_grad_norm: float,
     beta: float,
-    place: Distributed = SINGLE,
+    world: World = ONE_PROCESS,
 ) -> UpdateStats:
     """Train on one generation batch (this rank's share of it, under torchrun); `beta` is the KL
     coefficient in force this step."""
     device, policy = models.device, models.policy
-    trained = models.trained or policy  # the DDP wrapper when there is one: it syncs gradients
-    batches, step_size = micro_batches(rollout, advantages, trainer, device, place)
-    if step_size.tokens == 0:  # every completion left out (mask_truncated): nothing to learn from
+    trained = models.ddp or policy  # the loss goes through DDP's wrapper when there is one: it syncs gradients
+    batches, denominators = micro_batches(rollout, advantages, trainer, device, world)
+    if denominators.tokens == 0:  # every completion left out (mask_truncated): nothing to learn from
         return UpdateStats.nothing_trained(trainer.num_iterations)
     settings = loss_settings(trainer, beta)
-    rank_scale = place.world_size  # DDP / FSDP average the ranks' gradients; the shares must add up
+    rank_scale = world.world_size  # DDP / FSDP average the ranks' gradients; the shares must add up
     micro = trainer.micro_batch_size or rollout.completion_ids.shape[0]
-    group = shared_prompt_pass_group(trainer.share_prompt_pass, micro, rollout.group_size, place.enabled)
+    group = shared_prompt_pass_group(trainer.share_prompt_pass, micro, rollout.group_size, world.enabled)
 
     def log_probs_of(model, batch: MicroBatch, with_entropy=False):  # the policy, its DDP wrapper, or the reference
         here = next(model.parameters()).device  # a full fine-tune's reference may sit on the CPU
@@ -308,14 +308,14 @@ def update_policy(
                 log_probs, entropy = log_probs_of(trained, batch, with_entropy=iteration == 0)
                 old_log_probs = old[index] if old is not None else log_probs.detach()
                 losses = (log_probs, old_log_probs, reference[index], batch.advantages, batch.loss_mask)
-                loss, metrics = grpo_loss(*losses, settings, step_size)
+                loss, metrics = grpo_loss(*losses, settings, denominators)
                 (loss * rank_scale).backward()
             if entropy is not None:  # the first pass, over every completion token, truncated or not
                 totals.add_entropy((entropy * batch.mask).sum().item(), float(batch.mask.sum()))
             totals.add(loss.item(), metrics)
         grad_norm = clip_and_step(parameters, optimizer, scheduler, max_grad_norm)
         skipped += not math.isfinite(grad_norm)
-    return totals.over_ranks(place).stats(grad_norm, step_size.tokens, skipped)
+    return totals.over_ranks(world).stats(grad_norm, denominators.tokens, skipped)
 
 
 def loss_settings(trainer: TrainerConfig, beta: float) -> LossSettings:
@@ -361,8 +361,8 @@ def clip_and_step(
 
 
 def micro_batches(
-    rollout: Rollout, advantages: Advantages, trainer: TrainerConfig, device: torch.device, place: Distributed
-) -> tuple[list[MicroBatch], StepSize]:
+    rollout: Rollout, advantages: Advantages, trainer: TrainerConfig, device: torch.device, world: World
+) -> tuple[list[MicroBatch], LossDenominators]:
     """The rollout cut into micro-batches of trainer.micro_batch_size rows (all at once for 0) on
     `device`, with the loss mask (less truncated completions under trainer.mask_truncated), and
     the loss denominators of the whole step, over all ranks: each rank's loss is then its share
@@ -382,5 +382,7 @@ def micro_batches(
         for start in range(0, count, size)
     ]
     # The sampler pads every completion to max_new_tokens, so T is Dr. GRPO's constant.
-    sequences, tokens = sum_over_ranks([count, float(loss_mask.sum())], place)
-    return batches, StepSize(sequences=int(sequences), tokens=int(tokens), max_new_tokens=completion_ids.shape[1])
+    sequences, tokens = sum_over_ranks([count, float(loss_mask.sum())], world)
+    return batches, LossDenominators(
+        sequences=int(sequences), tokens=int(tokens), max_new_tokens=completion_ids.shape[1]
+    )

@@ -21,7 +21,7 @@ from typing import Any, Optional
 
 from grpo_cli.config import ConfigError, DataConfig
 from grpo_cli.data.tasks import SYNTHETIC_TASKS, synthetic_task_name
-from grpo_cli.distributed import SINGLE, Distributed, local_share
+from grpo_cli.distributed import ONE_PROCESS, World, local_share
 from grpo_cli.records import PromptBatch
 
 FILE_FORMATS = (".jsonl", ".json", ".parquet", ".csv")
@@ -399,10 +399,10 @@ class PromptSource:
     batch is data.prompts_per_step prompts, or this rank's share of them under torchrun."""
 
     def __init__(
-        self, data: DataConfig, tokenizer, rows: list[dict[str, Any]] | None = None, place: Distributed = SINGLE
+        self, data: DataConfig, tokenizer, rows: list[dict[str, Any]] | None = None, world: World = ONE_PROCESS
     ):
         self.data = data
-        self.place = place  # under torchrun: every rank walks the same order and keeps its share
+        self.world = world  # under torchrun: every rank walks the same order and keeps its share
         self.tokenizer = tokenizer
         self.rows = rows if rows is not None else load_rows(data.path)
         self.chat = wants_chat_template(data.use_chat_template, tokenizer)
@@ -419,7 +419,7 @@ class PromptSource:
     @property
     def prompts_per_rank(self) -> int:
         """The prompts of one batch on this rank: its share of data.prompts_per_step."""
-        return max(1, self.data.prompts_per_step // self.place.world_size)
+        return max(1, self.data.prompts_per_step // self.world.world_size)
 
     def next_batch(self) -> PromptBatch:
         picked = []
@@ -429,7 +429,7 @@ class PromptSource:
                 self._order = self._epoch_order(self.epoch)
             picked.append(self.rows[self._order[self.position]])
             self.position += 1
-        return self.make_batch(local_share(picked, self.place))
+        return self.make_batch(local_share(picked, self.world))
 
     def make_batch(self, rows: list[dict[str, Any]]) -> PromptBatch:
         data = self.data

@@ -19,19 +19,19 @@ import random
 from collections.abc import Callable
 from dataclasses import dataclass
 
-Row = dict[str, str]
+TaskRow = dict[str, str]
 
 
 def addition_prompt(a: int, b: int) -> str:
     return f"Question: what is {a} + {b}? Answer:"
 
 
-def addition_rows() -> list[Row]:
+def addition_rows() -> list[TaskRow]:
     """All 100 single-digit problems, in a fixed order."""
     return [{"prompt": addition_prompt(a, b), "answer": str(a + b)} for a in range(10) for b in range(10)]
 
 
-def addition_eval_rows(size: int, seed: int) -> list[Row]:
+def addition_eval_rows(size: int, seed: int) -> list[TaskRow]:
     """`size` questions drawn uniformly (with repetition: there are only 100) with their own RNG."""
     rows = addition_rows()
     rng = random.Random(f"addition-eval-{seed}")
@@ -65,7 +65,7 @@ ARITHMETIC_EVAL_SHARE = 0.45  # of a task's problems, held out of training for t
 OPERATIONS = {"+": operator.add, "-": operator.sub, "*": operator.mul}
 
 
-def arithmetic_rows(task: str, split: str) -> list[Row]:
+def arithmetic_rows(task: str, split: str) -> list[TaskRow]:
     """Every problem of `task` in `split` ("train" or "eval"): a fixed shuffle of all problems,
     whose first ARITHMETIC_EVAL_SHARE is held out for the eval and never trained on."""
     spec = ARITHMETIC_TASKS[task]
@@ -77,7 +77,7 @@ def arithmetic_rows(task: str, split: str) -> list[Row]:
     return [{"prompt": f"What is {a} {op} {b}?", "answer": str(OPERATIONS[op](a, b))} for a, op, b in chosen]
 
 
-SyntheticTask = tuple[Callable[[], list[Row]], Callable[[int, int], list[Row]]]
+SyntheticTask = tuple[Callable[[], list[TaskRow]], Callable[[int, int], list[TaskRow]]]
 
 SYNTHETIC_TASKS: dict[str, SyntheticTask] = {
     "addition": (addition_rows, addition_eval_rows),

@@ -32,7 +32,7 @@ class Models:
     device: torch.device
     base_path: str  # the resolved folder or hub id of the base model
     uses_kl: bool  # beta > 0
-    trained: Optional[torch.nn.Module] = None  # the policy's DDP wrapper under torchrun (distributed.py)
+    ddp: Optional[torch.nn.Module] = None  # the policy's DDP wrapper under torchrun (distributed.py)
     autocast_dtype: Optional[torch.dtype] = None  # model.autocast: forward passes in this dtype
 
     def autocast(self):

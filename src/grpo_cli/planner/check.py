@@ -18,7 +18,7 @@ from typing import Any, NamedTuple, Optional
 import torch
 
 from grpo_cli.config import ConfigError
-from grpo_cli.distributed import SINGLE, Distributed, max_over_ranks
+from grpo_cli.distributed import ONE_PROCESS, World, max_over_ranks
 from grpo_cli.planner.memory import GB, MemoryPlan, cheapest_fixes, format_fixes, format_plan, plan_memory
 
 PLAN_FILE = "memory_plan.txt"
@@ -45,23 +45,23 @@ def memory_budget(trainer: Any, device: torch.device) -> Optional[Budget]:
     return Budget(psutil.virtual_memory().available // processes, f"available RAM{shared}")
 
 
-def rank_share(cfg: Any, place: Distributed) -> Any:
+def rank_share(cfg: Any, world: World) -> Any:
     """`cfg` with this rank's share of the step's prompts, as the rank trains them."""
     share = copy.deepcopy(cfg)
-    share.data.prompts_per_step = max(1, cfg.data.prompts_per_step // place.world_size)
+    share.data.prompts_per_step = max(1, cfg.data.prompts_per_step // world.world_size)
     return share
 
 
 def plan_for(
-    cfg: Any, device: torch.device, prompt_rows: Optional[list[dict[str, Any]]], place: Distributed = SINGLE
+    cfg: Any, device: torch.device, prompt_rows: Optional[list[dict[str, Any]]], world: World = ONE_PROCESS
 ) -> MemoryPlan:
     """The plan of this process: its share of the step's prompts, the prompts padded to the
     longest of `prompt_rows` when the tokenizer is on this machine (else memory.py's guess)."""
-    share = rank_share(cfg, place)
+    share = rank_share(cfg, world)
     plan = plan_memory(share, _longest_prompt(cfg, prompt_rows), device.type)
-    if place.world_size > 1:
+    if world.world_size > 1:
         plan.assumptions.append(f"this rank's {share.data.prompts_per_step} of {cfg.data.prompts_per_step} prompts")
-        if place.mode == "fsdp":
+        if world.mode == "fsdp":
             plan.assumptions.append(
                 "held rows are whole copies: FSDP keeps 1/N of them on each rank, so the plan overstates them"
             )
@@ -77,29 +77,29 @@ def _longest_prompt(cfg: Any, rows: Optional[list[dict[str, Any]]]) -> Optional[
 
 
 def check_memory(
-    cfg: Any, device: torch.device, prompt_rows: list[dict[str, Any]], output_dir: Path, place: Distributed = SINGLE
+    cfg: Any, device: torch.device, prompt_rows: list[dict[str, Any]], output_dir: Path, world: World = ONE_PROCESS
 ) -> None:
     """Print and save the plan (rank 0), then raise ConfigError on every rank if the plan does
     not fit some rank's budget, unless trainer.plan_force. A model the planner cannot count
     (not a Qwen2/Llama-style decoder) is said so and trained without a plan."""
     try:
-        plan = plan_for(cfg, device, prompt_rows, place)
+        plan = plan_for(cfg, device, prompt_rows, world)
     except ConfigError as error:
-        if place.is_main:
+        if world.is_main:
             print(f"Memory plan: not made ({error})", flush=True)
         return
     budget = memory_budget(cfg.trainer, device)
     table = format_plan(plan, budget.bytes if budget else None)
-    if place.is_main:
+    if world.is_main:
         print(table, flush=True)
         (output_dir / PLAN_FILE).write_text(table + "\n")
     over = budget is not None and plan.peak_bytes > budget.bytes
-    if not max_over_ranks([float(over)], place)[0] or cfg.trainer.plan_force:
+    if not max_over_ranks([float(over)], world)[0] or cfg.trainer.plan_force:
         return
     if not over:  # another rank's budget is the one exceeded; it names the fixes
         raise ConfigError("the memory plan does not fit on another rank (see its message); nothing was loaded.")
     raise ConfigError(
-        not_fitting_message(rank_share(cfg, place), plan, budget, "the run stopped before loading any weight")
+        not_fitting_message(rank_share(cfg, world), plan, budget, "the run stopped before loading any weight")
     )
 
 

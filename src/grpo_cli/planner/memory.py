@@ -57,7 +57,7 @@ __all__ = [
     "format_plan",
     "format_fixes",
     "MemoryPlan",
-    "Row",
+    "PlanRow",
     "Fix",
     "GB",
     "DEFAULT_PROMPT_TOKENS",
@@ -70,7 +70,7 @@ REWARD_MODEL_TARGET = "grpo_cli.rewards.reward_model"
 
 
 @dataclass(frozen=True)
-class Row:
+class PlanRow:
     name: str
     bytes: int
     note: str  # how it was computed
@@ -80,7 +80,7 @@ class Row:
 
 @dataclass
 class MemoryPlan:
-    rows: list[Row]
+    rows: list[PlanRow]
     arch: Architecture
     device: str  # cuda | cpu
     prompt_tokens: int
@@ -196,28 +196,28 @@ def _held_rows(cfg: Any, arch: Architecture, shape: StepShape):
     model = cfg.model
     weights = model_weights(arch)
     base = weight_bytes(weights, shape.size, shape.quantization, shape.upcast)
-    rows = [Row("policy weights", base, _weights_note(weights, shape.dtype, shape.quantization, shape.upcast))]
+    rows = [PlanRow("policy weights", base, _weights_note(weights, shape.dtype, shape.quantization, shape.upcast))]
     trained, trained_size, adapted = weights, shape.size, ()
     if model.lora.enabled:  # peft keeps the adapter in float32 whatever the base (autocast_adapter_dtype)
         trained, trained_size = lora_weights(arch, model.lora.r, model.lora.target_modules), 4
         adapted = lora_targets(arch, model.lora.target_modules)
         count = parameter_count(trained)
         note = f"{count:,} params = r {model.lora.r} x (in + out) of {len(adapted)} linears x {arch.num_layers} layers, x 4 B"
-        rows.append(Row("LoRA adapter", 4 * count, note))
+        rows.append(PlanRow("LoRA adapter", 4 * count, note))
     states = optimizer_bytes(str(cfg.optimizer._target_), trained, trained_size)
-    rows.append(Row("optimizer states", states.bytes, f"{cfg.optimizer._target_}: {states.note}"))
+    rows.append(PlanRow("optimizer states", states.bytes, f"{cfg.optimizer._target_}: {states.note}"))
     reference_here = True  # with LoRA the reference is the base model, adapter off
     if shape.uses_kl and not model.lora.enabled:
         where = str(model.reference_device).lower()
         reference_here = where == "same" or _device_kind(where) == shape.device
         note = "a frozen copy of the policy weights, on " + ("the policy's device" if where == "same" else where)
-        rows.append(Row("reference model", base, note, on_device=reference_here))
+        rows.append(PlanRow("reference model", base, note, on_device=reference_here))
     return rows, trained, adapted, reference_here
 
 
 def _sampling_rows(
     cfg: Any, arch: Architecture, shape: StepShape, adapter: Sequence[Weight], phase: str, sequences: int
-) -> list[Row]:
+) -> list[PlanRow]:
     """A decode of `sequences` rows (the step's sampling, or the eval's greedy batch): its KV
     cache, its work, and the weights sampler=fast packs on a CPU."""
     amounts = sampling_amounts(arch, shape.act, sequences, shape.prompt_tokens, shape.new_tokens)
@@ -235,14 +235,14 @@ def _update_rows(
     trained: Sequence[Weight],
     adapted: Sequence[str],
     reference_here: bool,
-) -> list[Row]:
+) -> list[PlanRow]:
     """The frozen passes (reference, old policy) and the update: gradients, activations, backward."""
     model, trainer = cfg.model, cfg.trainer
     rows = []
     if shape.uses_kl or trainer.num_iterations > 1:  # reference log-probs where the reference is; old ones here
         reference = reference_amount(arch, shape.act, shape.micro, shape.prompt_tokens, shape.new_tokens)
         here = reference_here or trainer.num_iterations > 1
-        rows.append(Row("reference pass", reference.bytes, reference.note, "reference pass", on_device=here))
+        rows.append(PlanRow("reference pass", reference.bytes, reference.note, "reference pass", on_device=here))
     # update.update_policy's rule, and a model that keeps its cache in a forward with gradients
     # (gradient checkpointing drops it: update.keeps_cache)
     distributed = launched_world_size() > 1
@@ -265,7 +265,7 @@ def _update_rows(
     )
     count = parameter_count(trained)
     trained_size = 4 if model.lora.enabled else shape.size
-    gradients = Row("gradients", count * trained_size, f"{count:,} trainable params x {trained_size} B", "update")
+    gradients = PlanRow("gradients", count * trained_size, f"{count:,} trainable params x {trained_size} B", "update")
     return rows + [gradients, _row("update activations", kept, "update"), _row("update backward", backward, "update")]
 
 
@@ -296,11 +296,11 @@ def packed_linear_weights(
     )
 
 
-def _row(name: str, amount: Amount, phase: str = HELD) -> Row:
-    return Row(name, amount.bytes, amount.note, phase)
+def _row(name: str, amount: Amount, phase: str = HELD) -> PlanRow:
+    return PlanRow(name, amount.bytes, amount.note, phase)
 
 
-def _reward_model_rows(entry: Any, device: str, sequence: int) -> list[Row]:
+def _reward_model_rows(entry: Any, device: str, sequence: int) -> list[PlanRow]:
     """rewards.reward_model loads its model once and keeps it: its weights are held, its scoring
     is a phase. Counted from its config.json when it is on this machine, else from an
     `architecture` mapping in the entry (the function ignores keys it does not take)."""
@@ -315,7 +315,7 @@ def _reward_model_rows(entry: Any, device: str, sequence: int) -> list[Row]:
         arch, labels = architecture_from_block(block, path, "reward.functions[].architecture"), 1
     else:
         return [
-            Row(
+            PlanRow(
                 f"reward model {path}",
                 0,
                 "not counted: no config.json here; give the entry `architecture: {...}` to count it",
@@ -329,13 +329,13 @@ def _reward_model_rows(entry: Any, device: str, sequence: int) -> list[Row]:
     ]  # *ForSequenceClassification head
     batch, length = int(entry.get("batch_size", 8)), min(int(entry.get("max_length", 1024)), sequence)
     return [
-        Row(
+        PlanRow(
             f"reward model {path}",
             weight_bytes(weights, DTYPE_BYTES[dtype], quantization, upcast=False),
             _weights_note(weights, dtype, quantization, upcast=False),
             on_device=where == device,
         ),
-        Row(
+        PlanRow(
             "reward scoring",
             forward_bytes(arch, DTYPE_BYTES[dtype], batch, length),
             f"no-grad forward of {batch} x {length} tokens",

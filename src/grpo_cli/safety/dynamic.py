@@ -43,7 +43,7 @@ def informative_groups(rewards: Rewards, std_threshold: float) -> torch.Tensor:
 def fill_informative_groups(
     rollout: Rollout,
     rewards: Rewards,
-    draw: Callable[[], tuple[Rollout, Rewards]],  # samples and scores one more batch of prompts
+    sample_round: Callable[[], tuple[Rollout, Rewards]],  # samples and scores one more batch of prompts
     target: int,
     max_rounds: int,
     std_threshold: float,
@@ -66,7 +66,7 @@ def fill_informative_groups(
         found += len(useful)
         if found >= target or rounds >= max_rounds:
             break
-        rollout, rewards = draw()
+        rollout, rewards = sample_round()
         rounds += 1
     missing = target - found
     for part_rollout, part_rewards, groups in spare:
@@ -80,36 +80,14 @@ def fill_informative_groups(
 
 
 def merge_groups(parts: list[tuple[Rollout, Rewards, list[int]]]) -> tuple[Rollout, Rewards]:
-    """The chosen groups of several rollouts as one Rollout and one Rewards, in order.
-
-    Prompts of different rounds were padded to different lengths: prompt ids are left-padded
-    and completions right-padded to the longest, with mask 0 (the padded ids are never attended).
-    """
+    """The chosen groups of several rounds' rollouts as one Rollout and one Rewards, in order."""
     group_size = parts[0][0].group_size
     rollouts, rewards = [], []
     for rollout, reward, groups in parts:
-        rows = [group * group_size + member for group in groups for member in range(group_size)]
-        rollouts.append(select_rows(rollout, rows))
+        rollouts.append(
+            rollout.select([group * group_size + member for group in groups for member in range(group_size)])
+        )
         rewards.append(_select_groups(reward, groups))
-    prompt_length = max(r.prompt_ids.shape[1] for r in rollouts)
-    completion_length = max(r.completion_ids.shape[1] for r in rollouts)
-
-    def pad(tensor: torch.Tensor, length: int, left: bool) -> torch.Tensor:
-        missing = length - tensor.shape[1]
-        return torch.nn.functional.pad(tensor, (missing, 0) if left else (0, missing), value=0)
-
-    merged_rollout = Rollout(
-        prompt_ids=torch.cat([pad(r.prompt_ids, prompt_length, True) for r in rollouts]),
-        prompt_mask=torch.cat([pad(r.prompt_mask, prompt_length, True) for r in rollouts]),
-        completion_ids=torch.cat([pad(r.completion_ids, completion_length, False) for r in rollouts]),
-        completion_mask=torch.cat([pad(r.completion_mask, completion_length, False) for r in rollouts]),
-        truncated=torch.cat([r.truncated for r in rollouts]),
-        prompts=[text for r in rollouts for text in r.prompts],
-        completions=[text for r in rollouts for text in r.completions],
-        columns={key: [v for r in rollouts for v in r.columns[key]] for key in rollouts[0].columns},
-        group_size=group_size,
-        temperature=rollouts[0].temperature,
-    )
     merged_rewards = Rewards(
         total=torch.cat([r.total for r in rewards]),
         per_function={name: torch.cat([r.per_function[name] for r in rewards]) for name in rewards[0].per_function},
@@ -117,24 +95,7 @@ def merge_groups(parts: list[tuple[Rollout, Rewards, list[int]]]) -> tuple[Rollo
         error_counts={name: sum(r.error_counts.get(name, 0) for r in rewards) for name in rewards[0].error_counts},
         shaped=None if rewards[0].shaped is None else torch.cat([r.shaped for r in rewards]),
     )
-    return merged_rollout, merged_rewards
-
-
-def select_rows(rollout: Rollout, rows: list[int]) -> Rollout:
-    """The completions at `rows` (row b * G + i is completion i of prompt b), as a Rollout."""
-    index = torch.tensor(rows, dtype=torch.long)
-    return Rollout(
-        prompt_ids=rollout.prompt_ids[index],
-        prompt_mask=rollout.prompt_mask[index],
-        completion_ids=rollout.completion_ids[index],
-        completion_mask=rollout.completion_mask[index],
-        truncated=rollout.truncated[index],
-        prompts=[rollout.prompts[row] for row in rows],
-        completions=[rollout.completions[row] for row in rows],
-        columns={key: [values[row] for row in rows] for key, values in rollout.columns.items()},
-        group_size=rollout.group_size,
-        temperature=rollout.temperature,
-    )
+    return Rollout.concatenate(rollouts), merged_rewards
 
 
 def _select_groups(rewards: Rewards, groups: list[int]) -> Rewards:

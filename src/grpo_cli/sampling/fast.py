@@ -14,7 +14,7 @@ as transformers' `generate` (`sampler=hf`), with less work per token:
 - the loop runs under inference mode (no-grad mode under FSDP) and stops as soon as every
   completion has ended.
 
-The pure core is `next_token_scores` (the distribution) and `draw` (one token per row).
+The pure core is `next_token_scores` (the distribution) and `draw_tokens` (one token per row).
 """
 
 from __future__ import annotations
@@ -49,7 +49,7 @@ def next_token_scores(logits: torch.Tensor, temperature: float, top_k: int, top_
     return scores
 
 
-def draw(scores: torch.Tensor, greedy: bool) -> torch.Tensor:
+def draw_tokens(scores: torch.Tensor, greedy: bool) -> torch.Tensor:
     """One token id per row of scores [N, V]: the best, or a sample of softmax(scores).
 
     Sampling inverts the cumulative distribution at one uniform number per row: the first
@@ -267,7 +267,7 @@ class FastSampler:
                     scores = (
                         logits.float() if greedy else next_token_scores(logits, cfg.temperature, cfg.top_k, cfg.top_p)
                     )
-                    tokens = torch.where(running, draw(scores, greedy), pad)
+                    tokens = torch.where(running, draw_tokens(scores, greedy), pad)
                     completions[:, step] = tokens
                     running &= tokens != eos
                     if step == cfg.max_new_tokens - 1 or not self._any_running(running):

@@ -16,7 +16,7 @@ from typing import Optional
 from matplotlib import colormaps
 from matplotlib.figure import Figure
 
-from grpo_cli.tools.run_summary import Row, number, series, summary_window
+from grpo_cli.tools.run_summary import MetricsRow, number, series, summary_window
 from grpo_cli.tools.sweep import Grid
 
 PANEL_SIZE = (8.0, 3.4)  # inches per panel at 110 dpi: 880 px wide, labels at 10 pt stay legible
@@ -101,7 +101,7 @@ def catalogue(keys: set[str]) -> list[Plot]:
                 Panel(
                     "fraction of tokens",
                     (
-                        Line("clip_fraction", "total"),
+                        Line("clip/fraction", "total"),
                         Line("clip/high_fraction", "high (ratio > 1 + eps)"),
                         Line("clip/low_fraction", "low (ratio < 1 - eps)"),
                     ),
@@ -154,7 +154,7 @@ def catalogue(keys: set[str]) -> list[Plot]:
     ]
 
 
-def plan_plots(rows: list[Row]) -> tuple[list[Plot], list[tuple[Plot, str]]]:
+def plan_plots(rows: list[MetricsRow]) -> tuple[list[Plot], list[tuple[Plot, str]]]:
     """(plots to draw, trimmed to what the run logged; (skipped plot, why) pairs).
 
     Trimming keeps a figure about what moved: a line identical to an earlier one in its panel is
@@ -185,7 +185,7 @@ def plan_plots(rows: list[Row]) -> tuple[list[Plot], list[tuple[Plot, str]]]:
     return drawn, skipped
 
 
-def _merge_twins(panel: Panel, rows: list[Row], keys: set[str]) -> Optional[Panel]:
+def _merge_twins(panel: Panel, rows: list[MetricsRow], keys: set[str]) -> Optional[Panel]:
     """The panel with only its logged lines, each identical pair as one line "a = b"; None if none."""
     logged = [line for line in panel.lines if line.key in keys]
     kept: list[Line] = []
@@ -209,7 +209,7 @@ def rolling_mean(values: list[float], window: int) -> list[float]:
     return means
 
 
-def draw_plot(plot: Plot, rows: list[Row], path: Path) -> None:
+def draw_plot(plot: Plot, rows: list[MetricsRow], path: Path) -> None:
     figure = Figure(figsize=(PANEL_SIZE[0], 1.2 + PANEL_SIZE[1] * len(plot.panels)), dpi=DPI, layout="constrained")
     axes = figure.subplots(len(plot.panels), 1, sharex=True, squeeze=False)[:, 0]
     figure.suptitle("\n".join([plot.title, *(f"({note})" for note in plot.notes)]), fontsize=13)
@@ -221,7 +221,7 @@ def draw_plot(plot: Plot, rows: list[Row], path: Path) -> None:
     figure.savefig(path)
 
 
-def _draw_panel(ax, panel: Panel, rows: list[Row]) -> None:
+def _draw_panel(ax, panel: Panel, rows: list[MetricsRow]) -> None:
     if panel.style == "stacked":
         # Only the steps that logged every part, so each band sits on the right base.
         complete = [row for row in rows if all(line.key in row for line in panel.lines)]

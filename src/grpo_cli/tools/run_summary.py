@@ -17,7 +17,7 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from grpo_cli.logs import METRICS_FILE, read_metrics
 
-Row = dict[str, float]  # {"step": 3, "reward/mean": 0.25, ...}, finite numbers only
+MetricsRow = dict[str, float]  # {"step": 3, "reward/mean": 0.25, ...}, finite numbers only
 
 
 class ReportError(Exception):
@@ -32,7 +32,7 @@ class ReportError(Exception):
 @dataclass
 class RunData:
     folder: Path
-    rows: list[Row]  # one per step, ascending; step 0 = the eval before training
+    rows: list[MetricsRow]  # one per step, ascending; step 0 = the eval before training
     config: Optional[DictConfig]  # config.yaml, None when absent or unreadable
     overrides: dict[str, str]  # .hydra/overrides.yaml: {"trainer.beta": "0.01", ...}
 
@@ -99,10 +99,10 @@ def read_overrides(folder: Path) -> dict[str, str]:
     return parsed
 
 
-def clean_rows(raw: list[dict[str, Any]]) -> list[Row]:
+def clean_rows(raw: list[dict[str, Any]]) -> list[MetricsRow]:
     """One row per step (the last one written: a resume rewrites steps), ascending, with nulls
     and NaN dropped so that one missing value neither breaks a mean nor a plotted line."""
-    by_step: dict[int, Row] = {}
+    by_step: dict[int, MetricsRow] = {}
     for row in raw:
         by_step[row["step"]] = {
             key: value
@@ -112,7 +112,7 @@ def clean_rows(raw: list[dict[str, Any]]) -> list[Row]:
     return [by_step[step] for step in sorted(by_step)]
 
 
-def series(rows: list[Row], key: str) -> tuple[list[int], list[float]]:
+def series(rows: list[MetricsRow], key: str) -> tuple[list[int], list[float]]:
     """(steps, values) of the rows that have `key`."""
     present = [row for row in rows if key in row]
     return [int(row["step"]) for row in present], [row[key] for row in present]
@@ -145,7 +145,7 @@ class RunSummary:
 TIME_KEYS = ("time/step", "time/sample", "time/reward", "time/update")
 
 
-def summarize_run(rows: list[Row]) -> RunSummary:
+def summarize_run(rows: list[MetricsRow]) -> RunSummary:
     trained = [row for row in rows if "reward/mean" in row]
     window = summary_window(len(trained))
     reward_steps, rewards = series(rows, "reward/mean")
