@@ -21,9 +21,11 @@ os.environ.setdefault("GRPO_CLI_CACHE", str(PROJECT_ROOT / ".cache" / "grpo-cli"
 
 # Under pytest-xdist (`make test` runs two workers, one per core), each worker and every process
 # it starts computes on one thread: two workers of two threads each on two cores would contend.
-# A tiny-model step is interpreter overhead more than arithmetic (60 steps of the default took
-# 33.2 s on one thread, 33.5 s on two), so two workers finish the suite's many short runs in
-# about half the time. A test that needs its own thread count sets it in its child's env.
+# A tiny-model step is largely interpreter overhead (the default's 1000 steps took 184 s on two
+# threads and 303 s on one on an avx512_bf16 EPYC; 60 steps 33.5 and 33.2 s on another CPU), so
+# two workers finish the suite's many short runs sooner (make test: 27m48s -> 16m52s of pytest
+# there). A test that needs its own thread count sets it in its child's env; an `alone` test
+# gets every core back (below).
 if os.environ.get("PYTEST_XDIST_WORKER"):
     os.environ["OMP_NUM_THREADS"] = os.environ["MKL_NUM_THREADS"] = "1"
     import torch
@@ -32,19 +34,31 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
 
 
 @pytest.fixture(autouse=True)
-def alone_when_marked(request):
-    """A test marked `alone` runs while no other xdist worker runs a test: each test holds a
-    shared lock on one file for its run, and an `alone` test an exclusive one (it waits until
-    the test in flight elsewhere ends; the other worker then waits for it). For a test whose
-    assertion reads wall-clock times, which another process on the same cores would move."""
+def alone_when_marked(request, monkeypatch):
+    """A test marked `alone` runs while no other xdist worker runs a test, with every core's
+    thread back: each test holds a shared lock on one file for its run, and an `alone` test an
+    exclusive one (it waits until the test in flight elsewhere ends; the other worker then waits
+    for it). For a test whose assertion reads wall-clock times, which another process on the
+    same cores would move."""
     if not os.environ.get("PYTEST_XDIST_WORKER"):
         yield
         return
+    alone = request.node.get_closest_marker("alone") is not None
     lock_file = PROJECT_ROOT / ".cache" / f"xdist-{os.environ.get('PYTEST_XDIST_TESTRUNUID', 'run')}.lock"
     lock_file.parent.mkdir(parents=True, exist_ok=True)
     with open(lock_file, "a") as handle:
-        fcntl.flock(handle, fcntl.LOCK_EX if request.node.get_closest_marker("alone") else fcntl.LOCK_SH)
-        yield  # the lock goes with the file's closing
+        fcntl.flock(handle, fcntl.LOCK_EX if alone else fcntl.LOCK_SH)
+        if alone:
+            import torch
+
+            threads = str(len(os.sched_getaffinity(0)))
+            monkeypatch.setenv("OMP_NUM_THREADS", threads)
+            monkeypatch.setenv("MKL_NUM_THREADS", threads)
+            torch.set_num_threads(int(threads))
+        yield
+        if alone:
+            torch.set_num_threads(1)
+    # the lock goes with the file's closing
 
 
 @pytest.fixture(scope="session")

@@ -109,9 +109,8 @@ def shared_prompt_log_probs(
     2. The keys, values and those logits are repeated G times (autograd sums the G copies'
        gradients back into the one prompt pass), and the completions, less their last token
        (nothing after it is scored), run on top of them.
-    Equal to the plain pass up to float rounding (tests/test_update.py). On the bench step (8
-    prompts x 8 completions of 64 tokens after 12-token prompts) the reference pass, the forward
-    and the backward take 11-25% less time (docs/BENCHMARKS.md); longer prompts gain more."""
+    Equal to the plain pass up to float rounding (tests/test_update.py); the time it saves grows
+    with the prompt's length (docs/BENCHMARKS.md measures it)."""
     completion_ids = input_ids[:, prompt_length:]  # [N, T]
     firsts = slice(0, None, group_size)  # the first row of each group
     prompt = model(

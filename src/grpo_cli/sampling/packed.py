@@ -24,8 +24,8 @@ class PackedLinears:
 
     A decode step multiplies the same [rows, in] x [in, out] shapes at every token; MKL's packed
     GEMM (the one torch.compile's CPU weight freezing uses) skips laying the weight out again at
-    each call. The results are the same (tests/test_fast_sampler.py); on the small bench model
-    (64 rows) sampling takes 9-15% less time (docs/BENCHMARKS.md). The weights change with every
+    each call. The results are the same (tests/test_fast_sampler.py), in less time
+    (docs/BENCHMARKS.md measures it). The weights change with every
     optimizer step, so make one per decode; an input of another number of rows takes the plain
     GEMM. It holds a packed copy of those weights (about their size) while it lives. Nothing is
     packed without MKL, and a module whose forward is already replaced on the instance (hooks)
