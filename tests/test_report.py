@@ -15,9 +15,9 @@ import pytest
 from matplotlib.image import imread
 from rich.console import Console
 
+from grpo_cli.run_summary import clean_rows, summarize_run, summary_table
 from grpo_cli.tools.plots import plan_plots, rolling_mean
 from grpo_cli.tools.report import main, report
-from grpo_cli.tools.run_summary import clean_rows, summarize_run, summary_table
 from grpo_cli.tools.sweep import SweepRow, heatmap_grid, ranking, sort_sweep, sweep_table
 
 GRPO_REPORT = str(Path(sys.executable).parent / "grpo-report")

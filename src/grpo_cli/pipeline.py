@@ -40,18 +40,19 @@ from grpo_cli.distributed import (
 )
 from grpo_cli.evaluation import evaluate
 from grpo_cli.logs import QuietLogger, RunLogger, resident_memory_gb
+from grpo_cli.metrics import step_metrics
 from grpo_cli.models.loading import Models, load_models, resolve_device, trainable_parameters
 from grpo_cli.planner.check import check_memory, print_plan
-from grpo_cli.records import Advantages, Rewards, Rollout, UpdateStats
+from grpo_cli.records import Advantages, Rewards, Rollout
 from grpo_cli.rewards.api import RewardScorer
 from grpo_cli.run_lock import hold_run_folder
+from grpo_cli.run_summary import summarize_run
 from grpo_cli.safety.adaptive import AdaptiveGroupState, next_group_size
 from grpo_cli.safety.dynamic import fill_informative_groups
 from grpo_cli.safety.guard import roll_back, rollback_reason
 from grpo_cli.sampling import Sampler, make_sampler
 from grpo_cli.state import TrainState, find_resume_checkpoint, seed_everything
 from grpo_cli.stopping import StopRequests
-from grpo_cli.tools.run_summary import summarize_run
 from grpo_cli.validation import validate
 
 
@@ -383,45 +384,6 @@ def sample_and_score(parts: RunParts, group_size: int, cost: SamplingCost) -> tu
 
 def ignore(_: str) -> None:
     """A report that goes nowhere (ranks other than 0)."""
-
-
-def step_metrics(
-    rollout: Rollout, rewards: Rewards, advantages: Advantages, stats: UpdateStats, beta: float, lr: float
-) -> dict[str, float]:
-    lengths = rollout.completion_mask.sum(dim=1).float()
-    metrics = {
-        "reward/mean": rewards.total.mean().item(),
-        "reward/std": rewards.total.std().item(),
-    }
-    for name, values in rewards.per_function.items():
-        present = values[~values.isnan()]  # None ("no opinion" or lost) is left out of mean and std
-        metrics[f"reward/{name}/mean"] = present.mean().item() if present.numel() else None
-        metrics[f"reward/{name}/std"] = present.std().item() if present.numel() > 1 else None
-        metrics[f"reward/{name}/errors"] = rewards.error_counts.get(name, 0)
-    metrics.update(
-        {
-            "advantage/std": advantages.values.std().item(),
-            "advantage/zero_std_fraction": advantages.zero_std_groups.float().mean().item(),
-            "loss": stats.loss,
-            "kl": stats.kl,
-            "clip/fraction": stats.clip_fraction,
-            "clip/high_fraction": stats.clip_high_fraction,
-            "clip/low_fraction": stats.clip_low_fraction,
-            "ratio/max_deviation": max(stats.ratio_deviation_by_pass, default=None),
-            "entropy": stats.entropy,
-            "grad_norm": stats.grad_norm,
-            "skipped_updates": stats.skipped_steps,
-            "completion/length_mean": lengths.mean().item(),
-            "completion/length_max": int(lengths.max().item()),
-            "completion/truncated_fraction": rollout.truncated.float().mean().item(),
-            "lr": lr,
-            "beta": beta,
-        }
-    )
-    if len(stats.clip_fraction_by_pass) > 1:  # mu > 1: pass 1 never clips, the later ones show the drift
-        for index, fraction in enumerate(stats.clip_fraction_by_pass, start=1):
-            metrics[f"clip/fraction_pass{index}"] = fraction
-    return metrics
 
 
 def summarize(log: RunLogger, result: RunResult, steps: int, seconds: float, other_functions: list[str]) -> None:

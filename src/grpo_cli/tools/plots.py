@@ -16,7 +16,7 @@ from typing import Optional
 from matplotlib import colormaps
 from matplotlib.figure import Figure
 
-from grpo_cli.tools.run_summary import MetricsRow, number, series, summary_window
+from grpo_cli.run_summary import MetricsRow, number, series, summary_window
 from grpo_cli.tools.sweep import Grid
 
 PANEL_SIZE = (8.0, 3.4)  # inches per panel at 110 dpi: 880 px wide, labels at 10 pt stay legible

@@ -24,8 +24,7 @@ from rich.console import Console
 from rich.table import Table
 
 from grpo_cli.logs import METRICS_FILE
-from grpo_cli.tools.plots import draw_heatmap, draw_plot, plan_plots
-from grpo_cli.tools.run_summary import (
+from grpo_cli.run_summary import (
     ReportError,
     RunData,
     RunSummary,
@@ -36,6 +35,7 @@ from grpo_cli.tools.run_summary import (
     summarize_run,
     summary_table,
 )
+from grpo_cli.tools.plots import draw_heatmap, draw_plot, plan_plots
 from grpo_cli.tools.sweep import (
     SweepRow,
     heatmap_grid,

@@ -9,7 +9,7 @@ import math
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from grpo_cli.tools.run_summary import RunSummary, mean
+from grpo_cli.run_summary import RunSummary, mean
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,48 @@
+"""The metrics of one step, from its typed records: the keys of metrics.jsonl that are computed
+(docs/GUIDE.md, "The run directory", lists them all with the timed ones)."""
+
+from __future__ import annotations
+
+from grpo_cli.records import Advantages, Rewards, Rollout, UpdateStats
+
+
+def step_metrics(
+    rollout: Rollout, rewards: Rewards, advantages: Advantages, stats: UpdateStats, beta: float, lr: float
+) -> dict[str, float]:
+    """The computed keys of the step's metrics.jsonl row (the loop adds the timed ones): rewards
+    per function (None scores left out), advantages, the update's loss, KL, clipping, entropy
+    and gradient norm, completion lengths, and the learning rate and beta in force."""
+    lengths = rollout.completion_mask.sum(dim=1).float()
+    metrics = {
+        "reward/mean": rewards.total.mean().item(),
+        "reward/std": rewards.total.std().item(),
+    }
+    for name, values in rewards.per_function.items():
+        present = values[~values.isnan()]  # None ("no opinion" or lost) is left out of mean and std
+        metrics[f"reward/{name}/mean"] = present.mean().item() if present.numel() else None
+        metrics[f"reward/{name}/std"] = present.std().item() if present.numel() > 1 else None
+        metrics[f"reward/{name}/errors"] = rewards.error_counts.get(name, 0)
+    metrics.update(
+        {
+            "advantage/std": advantages.values.std().item(),
+            "advantage/zero_std_fraction": advantages.zero_std_groups.float().mean().item(),
+            "loss": stats.loss,
+            "kl": stats.kl,
+            "clip/fraction": stats.clip_fraction,
+            "clip/high_fraction": stats.clip_high_fraction,
+            "clip/low_fraction": stats.clip_low_fraction,
+            "ratio/max_deviation": max(stats.ratio_deviation_by_pass, default=None),
+            "entropy": stats.entropy,
+            "grad_norm": stats.grad_norm,
+            "skipped_updates": stats.skipped_steps,
+            "completion/length_mean": lengths.mean().item(),
+            "completion/length_max": int(lengths.max().item()),
+            "completion/truncated_fraction": rollout.truncated.float().mean().item(),
+            "lr": lr,
+            "beta": beta,
+        }
+    )
+    if len(stats.clip_fraction_by_pass) > 1:  # mu > 1: pass 1 never clips, the later ones show the drift
+        for index, fraction in enumerate(stats.clip_fraction_by_pass, start=1):
+            metrics[f"clip/fraction_pass{index}"] = fraction
+    return metrics
