@@ -13,7 +13,8 @@ import math
 import pytest
 import torch
 
-from grpo_cli.algorithm.advantages import combine_rewards, group_advantages
+from grpo_cli.algorithm.advantages import group_advantages
+from grpo_cli.rewards.shaping import combine_rewards
 
 NO_EPS = dict(std_eps=0.0, std_threshold=1e-4)
 

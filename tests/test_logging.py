@@ -248,3 +248,10 @@ def test_the_status_panel_shows_every_number_the_issue_names():
     console.print(status_panel("progress", ROW, None, ["KL has been rising for 20 steps"]))
     shown = console.file.getvalue()
     assert "warning: KL has been rising for 20 steps" in shown and "entropy" in shown
+
+
+def test_a_metrics_file_of_an_older_release_reads_under_todays_names(tmp_path):
+    # clip_fraction was renamed clip/fraction (beside clip/high_fraction): grpo-report and a
+    # resume read an old run's rows under the new name.
+    (tmp_path / "metrics.jsonl").write_text('{"step": 1, "clip_fraction": 0.25, "kl": 0.01}\n')
+    assert read_metrics(tmp_path) == [{"step": 1, "kl": 0.01, "clip/fraction": 0.25}]

@@ -42,12 +42,21 @@ def resident_memory_gb() -> float:
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6  # KiB on Linux
 
 
+# Metrics renamed since a release wrote them: old name -> new name.
+RENAMED_METRICS = {"clip_fraction": "clip/fraction"}
+
+
 def read_metrics(output_dir: Path, name: str = METRICS_FILE) -> list[dict[str, Any]]:
     """The rows of a run's metrics.jsonl (or samples.jsonl), oldest first; [] if there is none."""
     path = Path(output_dir) / name
     if not path.is_file():
         return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    for row in rows:  # a run of an older grpo-cli reads under today's names (reports, resume)
+        for old_name, new_name in RENAMED_METRICS.items():
+            if old_name in row:
+                row[new_name] = row.pop(old_name)
+    return rows
 
 
 def _truncate_to_step(output_dir: Path, name: str, last_step: int) -> list[dict[str, Any]]:

@@ -23,9 +23,9 @@ import torch
 from hydra.utils import get_method
 from omegaconf import OmegaConf
 
-from grpo_cli.algorithm.advantages import combine_rewards
 from grpo_cli.config import ConfigError
 from grpo_cli.records import Rewards, Rollout
+from grpo_cli.rewards.shaping import combine_rewards
 
 RESERVED_KEYS = ("_target_", "weight", "name")
 

@@ -178,7 +178,8 @@ def one_token_forward(policy, attention: torch.Tensor, cache, layer_by_layer: bo
     model = policy.get_base_model() if hasattr(policy, "get_base_model") else policy  # peft: LoRA stays on
     decoder, config = model.model, model.config
     # [N, 1, 1, P + T]: 0 where a position may be attended, -inf on padding (single_query_attention)
-    keep = torch.zeros(attention.shape, device=attention.device).masked_fill_(attention == 0, -torch.inf)[:, None, None]
+    attention_bias = torch.zeros(attention.shape, device=attention.device)
+    attention_bias = attention_bias.masked_fill_(attention == 0, -torch.inf)[:, None, None]
     layers, head = decoder.layers[: config.num_hidden_layers], model.get_output_embeddings()
 
     def forward(tokens: torch.Tensor, positions: torch.Tensor, length: int) -> torch.Tensor:
@@ -187,7 +188,7 @@ def one_token_forward(policy, attention: torch.Tensor, cache, layer_by_layer: bo
         for layer in layers:
             hidden = layer(
                 hidden,
-                attention_mask=keep[..., :length],
+                attention_mask=attention_bias[..., :length],
                 position_embeddings=rotary,
                 position_ids=positions,
                 cache=cache,
