@@ -28,7 +28,6 @@ from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
 from grpo_cli.algorithm.advantages import group_advantages
-from grpo_cli.algorithm.losses import beta_at
 from grpo_cli.algorithm.optim import make_optimizer, make_scheduler
 from grpo_cli.algorithm.update import update_policy
 from grpo_cli.cli import config_dir
@@ -128,7 +127,7 @@ def run_case(name: str, device: str, steps: int, work: Path) -> list[tuple[str, 
                 scheduler,
                 cfg.trainer,
                 cfg.optimizer.max_grad_norm,
-                beta_at(betas, step),
+                betas.at(step),
             )
     phases = plan.phase_bytes
     update_phase = max(phases.get("update", 0), phases.get("reference pass", 0))

@@ -128,7 +128,6 @@ def one_step(cfg, edit_rollout=None) -> OneStep:
     import torch
 
     from grpo_cli.algorithm.advantages import group_advantages
-    from grpo_cli.algorithm.losses import beta_at
     from grpo_cli.algorithm.optim import make_optimizer, make_scheduler
     from grpo_cli.algorithm.update import update_policy
     from grpo_cli.config import beta_schedule
@@ -157,7 +156,7 @@ def one_step(cfg, edit_rollout=None) -> OneStep:
         scheduler,
         cfg.trainer,
         cfg.optimizer.max_grad_norm,
-        beta=beta_at(betas, 0),
+        beta=betas.at(0),
     )
     changed = sum(not torch.equal(b, p) for b, p in zip(before, parameters))
     return OneStep(models, rollout, stats, changed, len(parameters))

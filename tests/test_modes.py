@@ -14,7 +14,6 @@ import torch
 from safetensors.torch import load_file
 
 from grpo_cli.algorithm.advantages import group_advantages
-from grpo_cli.algorithm.losses import beta_at
 from grpo_cli.algorithm.optim import make_optimizer, make_scheduler
 from grpo_cli.algorithm.update import update_policy
 from grpo_cli.config import ConfigError, beta_schedule
@@ -67,7 +66,7 @@ def two_steps(cfg):
         # Every group holds a 1 and a 0 by construction: both steps have a gradient.
         rewards = torch.tensor(alternating_reward(rollout.prompts, rollout.completions)).view(-1, rollout.group_size)
         advantages = group_advantages(rewards, std_eps=1e-4, std_threshold=1e-4)
-        update_policy(models, rollout, advantages, optimizer, scheduler, cfg.trainer, 1.0, beta_at(betas, step))
+        update_policy(models, rollout, advantages, optimizer, scheduler, cfg.trainer, 1.0, betas.at(step))
     return models, before, models.policy.state_dict()
 
 

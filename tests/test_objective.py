@@ -23,16 +23,15 @@ from torch.utils._pytree import tree_flatten
 
 from grpo_cli.algorithm.advantages import group_advantages
 from grpo_cli.algorithm.losses import (
-    BetaSchedule,
     LossDenominators,
     LossSettings,
     aggregate,
-    beta_at,
     grpo_loss,
     kl_estimate,
     token_entropy,
     token_log_probs,
 )
+from grpo_cli.config import BetaSchedule
 
 F64 = torch.float64
 STD_EPS = 1e-4
@@ -467,40 +466,40 @@ def test_clip_metrics_count_each_side_over_masked_tokens_only():
 def test_linear_beta_schedule_tight_then_loose():
     schedule = BetaSchedule(0.05, 0.02, 100, "linear")
     # 0.05 + (0.02 - 0.05) * step / 100
-    assert beta_at(schedule, 0) == pytest.approx(0.05)
-    assert beta_at(schedule, 25) == pytest.approx(0.0425)
-    assert beta_at(schedule, 50) == pytest.approx(0.035)
-    assert beta_at(schedule, 100) == pytest.approx(0.02)
-    assert beta_at(schedule, 500) == pytest.approx(0.02)
+    assert schedule.at(0) == pytest.approx(0.05)
+    assert schedule.at(25) == pytest.approx(0.0425)
+    assert schedule.at(50) == pytest.approx(0.035)
+    assert schedule.at(100) == pytest.approx(0.02)
+    assert schedule.at(500) == pytest.approx(0.02)
     assert schedule.peak == 0.05
 
 
 def test_cosine_beta_schedule():
     schedule = BetaSchedule(0.05, 0.02, 100, "cosine")
     # progress p -> (1 - cos(pi p)) / 2; at p = 0.5 that is 0.5: 0.05 - 0.03 * 0.5 = 0.035
-    assert beta_at(schedule, 50) == pytest.approx(0.035)
+    assert schedule.at(50) == pytest.approx(0.035)
     # at p = 0.25: (1 - cos(pi/4)) / 2 = (1 - 0.707107) / 2 = 0.146447 -> 0.05 - 0.0043934 = 0.0456066
-    assert beta_at(schedule, 25) == pytest.approx(0.05 - 0.03 * (1 - math.cos(math.pi * 0.25)) / 2)
-    assert beta_at(schedule, 25) == pytest.approx(0.0456066, abs=1e-7)
-    assert beta_at(schedule, 0) == pytest.approx(0.05)
-    assert beta_at(schedule, 100) == pytest.approx(0.02)
+    assert schedule.at(25) == pytest.approx(0.05 - 0.03 * (1 - math.cos(math.pi * 0.25)) / 2)
+    assert schedule.at(25) == pytest.approx(0.0456066, abs=1e-7)
+    assert schedule.at(0) == pytest.approx(0.05)
+    assert schedule.at(100) == pytest.approx(0.02)
 
 
 def test_step_beta_schedule_switches_at_warmup():
     schedule = BetaSchedule(0.05, 0.02, 100, "step")
-    assert beta_at(schedule, 0) == 0.05
-    assert beta_at(schedule, 99) == 0.05
-    assert beta_at(schedule, 100) == 0.02
+    assert schedule.at(0) == 0.05
+    assert schedule.at(99) == 0.05
+    assert schedule.at(100) == 0.02
 
 
 def test_no_warmup_gives_end_from_the_first_step_and_a_constant_schedule_is_constant():
-    assert beta_at(BetaSchedule(0.05, 0.02), 0) == 0.02
+    assert BetaSchedule(0.05, 0.02).at(0) == 0.02
     for step in (0, 1, 50, 1000):
-        assert beta_at(BetaSchedule(0.04, 0.04), step) == pytest.approx(0.04)
-        assert beta_at(BetaSchedule(0.04, 0.04, 100, "cosine"), step) == pytest.approx(0.04)
+        assert BetaSchedule(0.04, 0.04).at(step) == pytest.approx(0.04)
+        assert BetaSchedule(0.04, 0.04, 100, "cosine").at(step) == pytest.approx(0.04)
     # loose then tight also works: peak is the larger end
     assert BetaSchedule(0.02, 0.05, 10).peak == 0.05
-    assert beta_at(BetaSchedule(0.02, 0.05, 10), 5) == pytest.approx(0.035)
+    assert BetaSchedule(0.02, 0.05, 10).at(5) == pytest.approx(0.035)
 
 
 # ---------------------------------------------------------------- chunked log-probs and entropy

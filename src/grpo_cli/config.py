@@ -10,6 +10,7 @@ fields (group size >= 2, batch divisibility, files that must exist) live in
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field, fields, is_dataclass
 from typing import Any, NamedTuple, Optional
 
@@ -390,6 +391,17 @@ class BetaSchedule(NamedTuple):
     end: float
     warmup_steps: int = 0
     shape: str = "linear"
+
+    def at(self, step: int) -> float:
+        """Beta in force after `step` completed optimizer steps (0 for the first update)."""
+        if step >= self.warmup_steps:
+            return self.end
+        progress = step / self.warmup_steps
+        if self.shape == "step":
+            return self.start
+        if self.shape == "cosine":
+            progress = 0.5 * (1.0 - math.cos(math.pi * progress))
+        return self.start + (self.end - self.start) * progress
 
     @property
     def peak(self) -> float:

@@ -17,7 +17,6 @@ import torch
 from omegaconf import OmegaConf
 
 from grpo_cli.algorithm.advantages import group_advantages
-from grpo_cli.algorithm.losses import beta_at
 from grpo_cli.algorithm.optim import make_optimizer, make_scheduler
 from grpo_cli.algorithm.update import update_policy
 from grpo_cli.checkpoint import latest_checkpoint
@@ -322,7 +321,7 @@ def train_step(parts: RunParts, step: int, group_size: int, beta_scale: float) -
         rollout, rewards = filled.rollout, filled.rewards
     scored = time.perf_counter()
     advantages = group_advantages(rewards.for_advantages, trainer.std_eps, trainer.std_threshold, trainer.advantage)
-    beta = beta_at(parts.betas, step - 1) * beta_scale
+    beta = parts.betas.at(step - 1) * beta_scale
     stats = update_policy(
         parts.models,
         rollout,

@@ -30,13 +30,12 @@ does not have. The logged `kl` stays the plain estimate.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
 
-from grpo_cli.config import AGGREGATIONS, KL_ESTIMATORS, BetaSchedule
+from grpo_cli.config import AGGREGATIONS, KL_ESTIMATORS
 
 LOGIT_CHUNK_ELEMENTS = 1 << 24  # float32 elements per chunk of logits (64 MiB): rows = this / vocab
 
@@ -174,18 +173,6 @@ def aggregate(per_token: torch.Tensor, mask: torch.Tensor, aggregation: str, ste
     if aggregation == "constant":
         return masked_sum / (step.sequences * step.max_new_tokens)
     raise ValueError(f"unknown loss aggregation {aggregation!r}; one of {', '.join(AGGREGATIONS)}")
-
-
-def beta_at(schedule: BetaSchedule, step: int) -> float:
-    """Beta in force after `step` completed optimizer steps (0 for the first update)."""
-    if step >= schedule.warmup_steps:
-        return schedule.end
-    progress = step / schedule.warmup_steps
-    if schedule.shape == "step":
-        return schedule.start
-    if schedule.shape == "cosine":
-        progress = 0.5 * (1.0 - math.cos(math.pi * progress))
-    return schedule.start + (schedule.end - schedule.start) * progress
 
 
 @dataclass(frozen=True)
