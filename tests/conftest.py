@@ -33,32 +33,35 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
     torch.set_num_threads(1)
 
 
-@pytest.fixture(autouse=True)
-def alone_when_marked(request, monkeypatch):
-    """A test marked `alone` runs while no other xdist worker runs a test, with every core's
-    thread back: each test holds a shared lock on one file for its run, and an `alone` test an
-    exclusive one (it waits until the test in flight elsewhere ends; the other worker then waits
-    for it). For a test whose assertion reads wall-clock times, which another process on the
-    same cores would move."""
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    """A test marked `alone` runs while no other xdist worker runs anything, with every core's
+    thread back. Each test holds a shared lock on one file from its setup to its teardown (module
+    fixtures that train included: they are set up inside the first test's protocol), and an
+    `alone` test an exclusive one: it waits until the test in flight elsewhere ends, and the
+    other worker waits for it. For a test whose assertion reads wall-clock times, which another
+    process on the same cores would move."""
     if not os.environ.get("PYTEST_XDIST_WORKER"):
         yield
         return
-    alone = request.node.get_closest_marker("alone") is not None
+    alone = item.get_closest_marker("alone") is not None
     lock_file = PROJECT_ROOT / ".cache" / f"xdist-{os.environ.get('PYTEST_XDIST_TESTRUNUID', 'run')}.lock"
     lock_file.parent.mkdir(parents=True, exist_ok=True)
-    with open(lock_file, "a") as handle:
+    with open(lock_file, "a") as handle:  # closing the file releases the lock
         fcntl.flock(handle, fcntl.LOCK_EX if alone else fcntl.LOCK_SH)
-        if alone:
-            import torch
+        if not alone:
+            yield
+            return
+        import torch
 
-            threads = str(len(os.sched_getaffinity(0)))
-            monkeypatch.setenv("OMP_NUM_THREADS", threads)
-            monkeypatch.setenv("MKL_NUM_THREADS", threads)
-            torch.set_num_threads(int(threads))
-        yield
-        if alone:
+        threads = str(len(os.sched_getaffinity(0)))
+        os.environ["OMP_NUM_THREADS"] = os.environ["MKL_NUM_THREADS"] = threads
+        torch.set_num_threads(int(threads))
+        try:
+            yield
+        finally:
+            os.environ["OMP_NUM_THREADS"] = os.environ["MKL_NUM_THREADS"] = "1"
             torch.set_num_threads(1)
-    # the lock goes with the file's closing
 
 
 @pytest.fixture(scope="session")
