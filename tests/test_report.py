@@ -249,15 +249,17 @@ def test_without_eval_jobs_rank_by_final_reward():
         ("no_metrics", "empty_folder", "holds neither metrics.jsonl nor job folders"),
         ("empty", "metrics.jsonl", "is empty"),
         ("corrupt", "metrics.jsonl line 2", "is not a metrics row (not JSON"),
+        ("not_an_object", "metrics.jsonl line 2", 'is not a metrics row (no integer "step")'),
     ],
 )
 def test_bad_input_exits_2_naming_the_file(tmp_path, capsys, case, named, said):
     target = {"missing": tmp_path / "nowhere", "no_metrics": tmp_path / "empty_folder"}.get(case, tmp_path / "run")
     if case == "no_metrics":
         target.mkdir()
-    if case in ("empty", "corrupt"):
+    if case in ("empty", "corrupt", "not_an_object"):
         write_run(target, [])
-        (target / "metrics.jsonl").write_text('{"step": 1}\n{"step": 2, "kl": 0.\n' if case == "corrupt" else "")
+        lines = {"corrupt": '{"step": 1}\n{"step": 2, "kl": 0.\n', "not_an_object": '{"step": 1}\n5\n', "empty": ""}
+        (target / "metrics.jsonl").write_text(lines[case])
     with pytest.raises(SystemExit) as stopped:
         main([str(target)])
     assert stopped.value.code == 2

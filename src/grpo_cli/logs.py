@@ -52,9 +52,11 @@ def read_metrics(output_dir: Path, name: str = METRICS_FILE) -> list[dict[str, A
     if not path.is_file():
         return []
     rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-    for row in rows:  # a run of an older grpo-cli reads under today's names (reports, resume)
+    # A run of an older grpo-cli reads under today's names (reports, resume). A line that is not
+    # an object is left as it is, for the caller to name (grpo-report: "not a metrics row").
+    for row in rows:
         for old_name, new_name in RENAMED_METRICS.items():
-            if old_name in row:
+            if isinstance(row, dict) and old_name in row:
                 row[new_name] = row.pop(old_name)
     return rows
 
