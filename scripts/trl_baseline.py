@@ -49,6 +49,12 @@ LOSS_TYPES = {"sequence_mean": "grpo", "token_mean": "dapo", "constant": "dr_grp
 RewardFn = Callable[..., list[float]]  # TRL's signature: (prompts, completions, **kwargs) -> scores
 
 
+def checkpointing_field() -> str:
+    """GRPOConfig's name for gradient checkpointing (TrainingArguments renamed it in transformers 5.2x)."""
+    fields = GRPOConfig.__dataclass_fields__
+    return "activation_checkpointing" if "activation_checkpointing" in fields else "gradient_checkpointing"
+
+
 def make_trl_trainer(
     model_dir: str,
     prompts: list[str],
@@ -91,8 +97,9 @@ def make_trl_trainer(
         # TRL loads the model itself from the folder: float32 weights; bf16=True adds autocast over
         # them, as grpo_cli's model.autocast=bfloat16 does.
         model_init_kwargs={"dtype": "float32"},
-        # TRL's default is True; grpo_cli's is off. The new name (transformers 5): the old one warns.
-        activation_checkpointing=False,
+        # TRL's default is True; grpo_cli's is off. Under the name this transformers defines (5.24:
+        # activation_checkpointing, where the old name warns; 5.19: gradient_checkpointing).
+        **{checkpointing_field(): False},
         disable_dropout=True,
         # One optimizer step per generation batch: the batch is split into `accumulation`
         # micro-batches and generated once (steps_per_generation = gradient_accumulation_steps,

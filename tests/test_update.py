@@ -8,6 +8,7 @@ import torch
 
 from grpo_cli.algorithm.update import completion_log_probs
 from grpo_cli.models.loading import load_models
+from grpo_cli.models.transformers_api import CACHE
 from grpo_cli.sampling.rollouts import completion_mask
 from helpers import config, one_step
 
@@ -281,7 +282,7 @@ def test_a_model_without_a_repeatable_cache_takes_one_pass_per_completion(tiny_m
 
         def forward(self, **kwargs):
             output = self.inner(**kwargs)
-            output.cache = None
+            setattr(output, CACHE, None)
             return output
 
     rows = grouped_rows(models.tokenizer, group_size=4)

@@ -25,6 +25,7 @@ from grpo_cli.algorithm.losses import LossDenominators, LossSettings, grpo_loss,
 from grpo_cli.config import TrainerConfig
 from grpo_cli.distributed import ONE_PROCESS, World, max_over_ranks, sum_over_ranks
 from grpo_cli.models.loading import Models, reference_model, trainable_parameters
+from grpo_cli.models.transformers_api import checkpoints_activations, returned_cache, with_cache
 from grpo_cli.records import Advantages, Rollout, UpdateStats
 
 
@@ -88,7 +89,7 @@ def one_prompt_per_group(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, gr
 def keeps_cache(model: torch.nn.Module) -> bool:
     """False where a forward with gradients drops the KV cache (gradient checkpointing does)."""
     inner = getattr(model, "module", model)  # DDP
-    return not (torch.is_grad_enabled() and getattr(inner, "is_activation_checkpointing", False))
+    return not (torch.is_grad_enabled() and checkpoints_activations(inner))
 
 
 def shared_prompt_log_probs(
@@ -120,7 +121,7 @@ def shared_prompt_log_probs(
         use_cache=True,
         logits_to_keep=1,
     )
-    cache = getattr(prompt, "cache", None)
+    cache = returned_cache(prompt)
     if not hasattr(cache, "batch_repeat_interleave"):  # a model with another kind of state
         return None
     cache.batch_repeat_interleave(group_size)
@@ -132,8 +133,8 @@ def shared_prompt_log_probs(
             input_ids=completion_ids[:, :-1],
             attention_mask=attention_mask[:, :-1],
             position_ids=position_ids[:, prompt_length:-1],
-            cache=cache,
             use_cache=True,
+            **with_cache(cache),
         ).logits  # [N, T-1, V]
         log_probs.append(token_log_probs(logits, completion_ids[:, 1:], temperature))
         if with_entropy:

@@ -27,6 +27,7 @@ from transformers.cache_utils import DynamicLayer
 
 from grpo_cli.config import SamplerConfig
 from grpo_cli.models.loading import autocast_to
+from grpo_cli.models.transformers_api import returned_cache, with_cache
 from grpo_cli.records import PromptBatch, Rollout
 from grpo_cli.sampling.packed import PackedLinears
 from grpo_cli.sampling.rollouts import rollout_from
@@ -169,8 +170,8 @@ def one_token_forward(policy, attention: torch.Tensor, cache, layer_by_layer: bo
                 input_ids=tokens[:, None],
                 attention_mask=attention[:, :length],
                 position_ids=positions,
-                cache=cache,
                 use_cache=True,
+                **with_cache(cache),
             ).logits[:, -1]
 
         return forward
@@ -191,8 +192,8 @@ def one_token_forward(policy, attention: torch.Tensor, cache, layer_by_layer: bo
                 attention_mask=attention_bias[..., :length],
                 position_embeddings=rotary,
                 position_ids=positions,
-                cache=cache,
                 use_cache=True,
+                **with_cache(cache),
             )
         return head(decoder.norm(hidden[:, -1]))
 
@@ -245,7 +246,7 @@ class FastSampler:
                     use_cache=True,
                     logits_to_keep=1,
                 )
-                cache = output.cache  # the prompts' keys and values: copied once per completion, with room
+                cache = returned_cache(output)  # the prompts' keys and values: copied once per completion, with room
                 cache.layers = [
                     PreallocatedLayer(layer, copies, prompt_ids.shape[1] + cfg.max_new_tokens) for layer in cache.layers
                 ]
