@@ -386,6 +386,66 @@ def compare_samplers(size: str, repeats: int, bf16: bool) -> dict[str, float]:
     }
 
 
+# --samplers: the real model's case (issue 21): GSM8K questions through SmolLM2's chat template,
+# 4 prompts x G=4 x 128 forced tokens.
+REAL_PROMPTS, REAL_GROUP, REAL_NEW_TOKENS = 4, 4, 128
+SAMPLER_MODELS = ("tiny", "small", "smollm2")
+
+
+def sampler_bench(size: str, bf16: bool):
+    """(config, prompt rows) of the sampler comparison on `size` (a bench model, or smollm2)."""
+    if size != "smollm2":
+        return our_config(bench_model(size), "fast", bf16), prompt_rows()
+    from grpo_cli.data.prompts import read_rows
+    from grpo_cli.models.sources import resolve_model
+
+    gsm8k = SCRIPTS.parent.parent / "shared" / "data" / "gsm8k" / "test.jsonl"
+    cfg = our_config(Path(resolve_model("builtin:smollm2-135m-instruct")), "fast", bf16)
+    cfg.merge_with_dotlist(
+        [
+            f"data.path={gsm8k}",
+            "data.prompt_field=question",
+            f"data.prompts_per_step={REAL_PROMPTS}",
+            f"sampler.group_size={REAL_GROUP}",
+            f"sampler.max_new_tokens={REAL_NEW_TOKENS}",
+            f"sampler.min_new_tokens={REAL_NEW_TOKENS}",
+        ]
+    )
+    return cfg, read_rows(str(gsm8k), limit=REAL_PROMPTS * 4)
+
+
+def sampler_speeds(size: str, bf16: bool, repeats: int) -> dict[str, float]:
+    """Completion tokens per second of each sampler backend (fast, hf, and vllm where vLLM is
+    installed) on one batch at the forced length, the median of `repeats` calls after a warm-up
+    (the engine's build, the first call's kernel set-up, not timed)."""
+    import torch
+
+    from grpo_cli.data.prompts import PromptSource
+    from grpo_cli.models.loading import load_models
+    from grpo_cli.sampling import run_sampler
+    from grpo_cli.sampling.vllm import vllm_installed
+
+    cfg, rows = sampler_bench(size, bf16)
+    models = load_models(cfg.model, 0.0, torch.device("cpu"))
+    batch = PromptSource(cfg.data, models.tokenizer, rows).next_batch()
+    tokens = batch.size * cfg.sampler.group_size * cfg.sampler.max_new_tokens
+    speeds = {}
+    for backend in ("fast", "hf", "vllm") if vllm_installed() else ("fast", "hf"):
+        cfg.sampler.backend = backend
+        sampler = run_sampler(cfg, models, rows)
+        try:
+            times = []
+            for _ in range(repeats + 1):
+                started = time.perf_counter()
+                rollout = sampler.sample(models.policy, batch)
+                times.append(time.perf_counter() - started)
+            assert int(rollout.completion_mask.sum()) == tokens  # the forced length, every completion
+        finally:
+            sampler.close()
+        speeds[f"{backend}_tokens_per_second"] = tokens / statistics.median(times[1:])
+    return speeds
+
+
 def matmul_rate(rows: int, inner: int, outer: int, repeats: int = 20, dtype: str = "float32") -> float:
     """Median GFLOP/s of a [rows, inner] x [inner, outer] matmul in `dtype` on this machine."""
     import torch
@@ -549,7 +609,7 @@ def main() -> None:
     parser.add_argument(
         "--size",
         action="append",
-        choices=sorted(BENCH_SIZES),
+        choices=sorted({*BENCH_SIZES, "smollm2"}),
         help="repeatable; default tiny and small (--device cuda: 0.5b and 1.5b)",
     )
     parser.add_argument("--steps", type=int, default=8, help="timed steps per side, after the warm-up")
@@ -571,6 +631,12 @@ def main() -> None:
         help="only our step, phase by phase, against each phase's matmul floor (no TRL)",
     )
     parser.add_argument("--profile", action="store_true", help="only torch.profiler's table of one of our steps")
+    parser.add_argument(
+        "--samplers",
+        action="store_true",
+        help="only the samplers' tokens/s (fast, hf, vllm where installed) in float32 and bfloat16; "
+        "sizes " + ", ".join(SAMPLER_MODELS) + " (default: all)",
+    )
     parser.add_argument(
         "--device",
         default="cpu",
@@ -604,6 +670,20 @@ def main() -> None:
                 f"peak memory {figures['peak_memory_gb']:.2f} GB",
                 flush=True,
             )
+        if args.json:
+            args.json.write_text(json.dumps(results, indent=2))
+        return
+    if args.samplers:
+        results = []
+        for size in args.size or list(SAMPLER_MODELS):
+            for bf16 in (False, True):
+                speeds = sampler_speeds(size, bf16, repeats=args.steps)
+                results.append({"size": size, "bf16": bf16, **speeds})
+                print(
+                    f"{size} {'bfloat16' if bf16 else 'float32'}: "
+                    + ", ".join(f"{key.split('_')[0]} {value:.0f} tok/s" for key, value in speeds.items()),
+                    flush=True,
+                )
         if args.json:
             args.json.write_text(json.dumps(results, indent=2))
         return

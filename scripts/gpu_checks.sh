@@ -5,16 +5,18 @@
 #   bash scripts/gpu_checks.sh fetch   # here: the wheels the device image lacks, into .whl/ (git-ignored, ~55 MB)
 #   bash scripts/gpu_checks.sh run     # there: device run with carry [".whl"], timeout_s 600
 #
-# The device image has Python 3.12 with torch, peft, tokenizers, safetensors, rich and psutil,
-# but transformers 5.17 (we need >= 5.24) and no Hydra, OmegaConf, math-verify or bitsandbytes:
-# those travel as wheels and are installed with --no-deps into /tmp/site. Our package runs from
+# The device image has Python 3.12 with torch 2.11, transformers 5.17 (which grpo-cli runs on
+# since issue 21: models/transformers_api.py), peft, tokenizers, safetensors, rich and psutil,
+# but no Hydra, OmegaConf, math-verify or bitsandbytes, and no vLLM (its CUDA wheel wants torch
+# 2.14 and is larger than what a device run can carry): those four travel as wheels and are
+# installed with --no-deps into /tmp/site; sampler=vllm is not measured there. Our package runs from
 # src/ (PYTHONPATH), its models are built under /tmp (nothing is downloaded). Results land in
 # $OUT: bench_step_cuda.json and .log (sampling tok/s, update MFU, peak memory on the 0.5B and
 # 1.5B shapes), bench_memory.log (the planner against torch.cuda.max_memory_allocated).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-WHEELS=(transformers==5.24.0 hydra-core==1.3.8 omegaconf==2.3.0 math-verify==0.9.0
+WHEELS=(hydra-core==1.3.8 omegaconf==2.3.0 math-verify==0.9.0
         latex2sympy2_extended==1.11.0 bitsandbytes==0.50.0)
 
 case "${1:-}" in

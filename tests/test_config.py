@@ -130,6 +130,13 @@ def test_a_wrong_type_is_rejected_by_the_schema():
         (["reward.clip=[1]"], "reward.clip="),
         (["reward.max_error_fraction=1.5"], "reward.max_error_fraction=1.5"),
         (["reward.workers=0"], "reward.workers=0"),
+        (["trainer.rollout_correction=tis"], "trainer.rollout_correction='tis'"),
+        (["trainer.rollout_correction_cap=0"], "trainer.rollout_correction_cap=0"),
+        (["sampler=vllm", "sampler.vllm.dtype=fp8"], "sampler.vllm.dtype='fp8'"),
+        (["sampler=vllm", "sampler.vllm.kv_cache_gb=-1"], "sampler.vllm.kv_cache_gb=-1"),
+        (["sampler=vllm", "sampler.vllm.gpu_memory_utilization=1.5"], "sampler.vllm.gpu_memory_utilization=1.5"),
+        (["sampler=vllm", "sampler.vllm.gpu_memory_utilization=0.4", "sampler.vllm.kv_cache_gb=2"], "both size"),
+        (["sampler=vllm", "sampler.vllm.tensor_parallel_size=0"], "sampler.vllm.tensor_parallel_size=0"),
     ],
 )
 def test_validate_names_the_bad_key(overrides, expected):

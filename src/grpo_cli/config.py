@@ -25,6 +25,9 @@ AGGREGATIONS = ("sequence_mean", "token_mean", "constant")  # trainer.loss_aggre
 KL_ESTIMATORS = ("k1", "k2", "k3")  # trainer.kl_estimator
 BETA_SHAPES = ("linear", "cosine", "step")  # trainer.beta.shape
 DISTRIBUTED_MODES = ("ddp", "fsdp")  # trainer.distributed
+EVAL_BATCH = 64  # eval prompts per greedy sampling call (evaluation.py; the memory plan and vLLM's cache size)
+# trainer.rollout_correction (algorithm/losses.rollout_weights)
+ROLLOUT_CORRECTIONS = ("none", "token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
 
 
 class ConfigError(ValueError):
@@ -143,9 +146,32 @@ class AdaptiveGroupConfig:
 
 
 @dataclass
+class VLLMConfig:
+    """sampler=vllm: the engine built in the training process (sampling/vllm.py)."""
+
+    dtype: str = "auto"
+    """auto | float32 | bfloat16 | float16: the engine's weights and compute. auto: the dtype the
+    trainer's forward passes run in (model.autocast's, else model.dtype's)."""
+    kv_cache_gb: float = 0.0
+    """GB for the engine's KV cache, allocated once for the run. 0: what one sampling call holds
+    (data.prompts_per_step x group_size, or the eval's batch, sequences of the longest prompt +
+    max_new_tokens), which the memory plan counts."""
+    gpu_memory_utilization: Optional[float] = None
+    """CUDA only, instead of kv_cache_gb: let vLLM size its cache to fill this fraction of the
+    GPU's memory, counting everything on the GPU (the trainer's weights and optimizer too:
+    colocated, 0.3-0.5). null: kv_cache_gb sizes it."""
+    tensor_parallel_size: int = 1
+    """CUDA only: shard the engine over this many GPUs."""
+    enforce_eager: Optional[bool] = None
+    """null: eager on a CPU, CUDA graphs on a GPU. true: never capture graphs."""
+
+
+@dataclass
 class SamplerConfig:
     backend: str = "fast"
-    """hf (transformers' generate) | fast (our decode loop, the same distribution: sampling/fast.py)."""
+    """hf (transformers' generate) | fast (our decode loop, the same distribution: sampling/fast.py)
+    | vllm (a vLLM engine in the training process, synced after every update: sampling/vllm.py;
+    needs the vllm extra)."""
     group_size: int = 8
     """G, completions sampled per prompt. Group statistics need at least 2."""
     temperature: float = 1.0
@@ -156,6 +182,8 @@ class SamplerConfig:
     min_new_tokens: int = 0
     adaptive: AdaptiveGroupConfig = field(default_factory=AdaptiveGroupConfig)
     """Adaptive group size for stalled training (off by default)."""
+    vllm: VLLMConfig = field(default_factory=VLLMConfig)
+    """The engine's settings (read with sampler.backend=vllm only)."""
 
 
 @dataclass
@@ -244,6 +272,14 @@ class TrainerConfig:
     passes (its keys and values shared by the group), where every micro-batch holds whole
     groups; the same numbers up to float rounding. Off under torchrun and with gradient
     checkpointing; false = every completion re-encodes its prompt, as TRL does."""
+    rollout_correction: str = "token_truncate"
+    """How the update corrects for a sampler whose log-probs differ from the trainer's (vLLM's
+    kernels, another precision): none | token_truncate | token_mask | sequence_truncate |
+    sequence_mask. Each token's policy term is weighed by w = pi_trainer_old / pi_sampler,
+    truncated at (or masked above) rollout_correction_cap, per token or per sequence
+    (docs/ALGORITHM.md). Only a sampler that returns log-probs (sampler=vllm) is corrected."""
+    rollout_correction_cap: float = 2.0
+    """The cap C of the rollout correction: w is min(w, C) (truncate) or 0 where w > C (mask)."""
     std_eps: float = 1e-4
     """Added to the std before dividing: A = (r - mean) / (std + std_eps)."""
     std_threshold: float = 1e-4

@@ -19,6 +19,7 @@ PLAIN_NUMBERS = {  # the short plain log line: metric -> label
     "kl": "kl",
     "advantage/zero_std_fraction": "zero-std",
     "completion/length_mean": "len",
+    "sampler/logprob_mismatch": "mismatch",  # sampler=vllm: the engine's log-probs against the trainer's
     "time/step": "s/step",
 }
 COMPLETION_WIDTH = 80  # characters of a completion shown in a sample table
@@ -79,6 +80,14 @@ def status_lines(row: dict[str, Any], last_eval: Optional[dict[str, Any]] = None
         )
     )
     lines.append(("tokens / s", number(get("tokens_per_second"), 4)))
+    if "sampler/logprob_mismatch" in row:
+        lines.append(
+            (
+                "sampler mismatch",
+                f"mean {number(get('sampler/logprob_mismatch'))}, max {number(get('sampler/logprob_mismatch_max'))} "
+                f"(|log p| sampler vs trainer; capped {percent(get('rollout_correction/capped_fraction'))})",
+            )
+        )
     if "sampler/group_size" in row:
         lines.append(("group size", str(get("sampler/group_size"))))
     if last_eval is not None:

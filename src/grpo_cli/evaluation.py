@@ -9,14 +9,13 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from grpo_cli.config import EVAL_BATCH
 from grpo_cli.distributed import sum_over_ranks
 
 if TYPE_CHECKING:
     from grpo_cli.data.prompts import PromptSource
     from grpo_cli.rewards.api import RewardScorer
     from grpo_cli.sampling import Sampler
-
-EVAL_BATCH = 64  # eval prompts per greedy generate call
 
 
 def evaluate(

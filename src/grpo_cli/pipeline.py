@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NoReturn, Optional
@@ -49,7 +50,7 @@ from grpo_cli.run_summary import summarize_run
 from grpo_cli.safety.adaptive import AdaptiveGroupState, next_group_size
 from grpo_cli.safety.dynamic import fill_informative_groups
 from grpo_cli.safety.guard import roll_back, rollback_reason
-from grpo_cli.sampling import Sampler, make_sampler
+from grpo_cli.sampling import Sampler, run_sampler
 from grpo_cli.state import TrainState, find_resume_checkpoint, seed_everything
 from grpo_cli.stopping import StopRequests
 from grpo_cli.validation import validate
@@ -112,7 +113,21 @@ def train(cfg: Any, world: World) -> RunResult:
     device = resolve_device(rank_device(trainer.device, world))
     train_rows, eval_rows = train_and_eval_rows(cfg.data)
     check_memory(cfg, device, train_rows + eval_rows, output_dir, world)  # stops here if it will not fit
-    parts = load_parts(cfg, scorer, train_rows, device, world, resume_from)
+    parts = load_parts(cfg, scorer, train_rows, device, world, resume_from, eval_rows)
+    with contextlib.closing(parts.sampler):  # sampler=vllm: the engine goes at any end
+        return train_parts(cfg, parts, eval_rows, output_dir, resume_from, world)
+
+
+def train_parts(
+    cfg: Any,
+    parts: RunParts,
+    eval_rows: list[dict[str, Any]],
+    output_dir: Path,
+    resume_from: Optional[Path],
+    world: World,
+) -> RunResult:
+    """The run's steps with its parts loaded, from its first step or `resume_from`'s next."""
+    trainer = cfg.trainer
     state = TrainState(
         parts.models.policy,
         parts.optimizer,
@@ -282,16 +297,18 @@ def load_parts(
     device: torch.device,
     world: World = ONE_PROCESS,
     resume_from: Optional[Path] = None,
+    eval_rows: Sequence[dict[str, Any]] = (),
 ) -> RunParts:
     """Models (the policy from `resume_from` when given), prompts, optimizer, scheduler and
-    sampler: what `train_step` works with (scripts/bench_step.py builds them the same way)."""
+    sampler: what `train_step` works with (scripts/bench_step.py builds them the same way).
+    sampler=vllm sizes its engine to the longest prompt of train_rows and eval_rows."""
     betas = beta_schedule(cfg.trainer.beta)
     models = load_models(cfg.model, betas.peak, device, checkpoint=str(resume_from) if resume_from else None)
     models = wrap_for_training(models, world)
     prompts = PromptSource(cfg.data, models.tokenizer, train_rows, world)
     optimizer = make_optimizer(cfg.optimizer, trainable_parameters(models.policy))
     scheduler = make_scheduler(cfg.optimizer, optimizer, cfg.trainer.steps * cfg.trainer.num_iterations)
-    sampler = make_sampler(cfg.sampler, models.tokenizer, synced=is_sharded(world), autocast=models.autocast_dtype)
+    sampler = run_sampler(cfg, models, [*train_rows, *eval_rows], synced=is_sharded(world))
     return RunParts(cfg, models, sampler, scorer, prompts, optimizer, scheduler, betas, world)
 
 

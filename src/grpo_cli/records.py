@@ -36,6 +36,10 @@ class Rollout:
     columns: dict[str, list[Any]]  # each [B*G]
     group_size: int
     temperature: float = 1.0  # sampled from softmax(logits / temperature): log-probs use the same
+    # [B*G, T] float32: the sampler's own log-prob of each sampled token (0 after the end), from
+    # the distribution it drew from; None where the sampler keeps none (fast, hf: the trainer's
+    # own weights and kernels). The update measures the mismatch and corrects for it.
+    sampler_log_probs: torch.Tensor | None = None
 
     @property
     def num_prompts(self) -> int:
@@ -51,6 +55,7 @@ class Rollout:
             completion_ids=self.completion_ids[index],
             completion_mask=self.completion_mask[index],
             truncated=self.truncated[index],
+            sampler_log_probs=None if self.sampler_log_probs is None else self.sampler_log_probs[index],
             prompts=[self.prompts[row] for row in rows],
             completions=[self.completions[row] for row in rows],
             columns={key: [values[row] for row in rows] for key, values in self.columns.items()},
@@ -62,8 +67,10 @@ class Rollout:
         different lengths: prompts are left-padded and completions right-padded to the longest,
         with id 0 and mask 0 (never attended, never in the loss)."""
 
-        def padded(name: str, left: bool) -> torch.Tensor:
+        def padded(name: str, left: bool) -> torch.Tensor | None:
             tensors = [getattr(part, name) for part in parts]
+            if any(tensor is None for tensor in tensors):  # sampler_log_probs of a sampler that keeps none
+                return None
             length = max(tensor.shape[1] for tensor in tensors)
             sides = [(length - tensor.shape[1], 0) if left else (0, length - tensor.shape[1]) for tensor in tensors]
             return torch.cat([torch.nn.functional.pad(tensor, side) for tensor, side in zip(tensors, sides)])
@@ -75,6 +82,7 @@ class Rollout:
             completion_ids=padded("completion_ids", left=False),
             completion_mask=padded("completion_mask", left=False),
             truncated=torch.cat([part.truncated for part in parts]),
+            sampler_log_probs=padded("sampler_log_probs", left=False),
             prompts=[text for part in parts for text in part.prompts],
             completions=[text for part in parts for text in part.completions],
             columns={key: [value for part in parts for value in part.columns[key]] for key in parts[0].columns},
@@ -113,6 +121,11 @@ class UpdateStats:
     clip_fraction_by_pass: list[float]  # [num_iterations]
     ratio_deviation_by_pass: list[float]  # [num_iterations] max |pi/pi_old - 1| over loss tokens
     entropy: float | None  # mean per-token entropy of the policy on its own completions
+    logprob_mismatch: (
+        float | None
+    )  # mean |log pi_trainer - log pi_sampler| over loss tokens; None: no sampler log-probs
+    logprob_mismatch_max: float | None  # ... its max
+    corrected_fraction: float | None  # loss tokens whose rollout-correction ratio passed the cap
     grad_norm: float  # global gradient norm before clipping (last optimizer step)
     tokens: int  # completion tokens in the loss
     skipped_steps: int  # optimizer steps not taken: gradient not finite, or no token in the loss
@@ -130,6 +143,9 @@ class UpdateStats:
             clip_fraction_by_pass=[],
             ratio_deviation_by_pass=[],
             entropy=None,
+            logprob_mismatch=None,
+            logprob_mismatch_max=None,
+            corrected_fraction=None,
             grad_norm=0.0,
             tokens=0,
             skipped_steps=passes,

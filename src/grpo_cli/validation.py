@@ -21,6 +21,7 @@ from grpo_cli.config import (
     BETA_SHAPES,
     DISTRIBUTED_MODES,
     KL_ESTIMATORS,
+    ROLLOUT_CORRECTIONS,
     ConfigError,
     boosted_group_size,
     resume_mode,
@@ -30,7 +31,7 @@ from grpo_cli.launch import launched_world_size
 CHOICES = {
     "model.dtype": ("auto", "float32", "bfloat16", "float16"),
     "model.quantization": ("none", "8bit", "4bit"),
-    "sampler.backend": ("hf", "fast"),
+    "sampler.backend": ("hf", "fast", "vllm"),
     "model.autocast": ("none", "bfloat16", "auto"),
     "model.attn_implementation": ("sdpa", "eager", "flash_attention_2"),
     "data.use_chat_template": ("auto", "true", "false"),
@@ -41,6 +42,7 @@ EXACT_CHOICES = {  # read as written by the loss code, so compared case-sensitiv
     "trainer.advantage": ADVANTAGE_MODES,
     "trainer.loss_aggregation": AGGREGATIONS,
     "trainer.kl_estimator": KL_ESTIMATORS,
+    "trainer.rollout_correction": ROLLOUT_CORRECTIONS,
 }
 
 
@@ -62,6 +64,7 @@ def validate(cfg: Any, check_files: bool = True) -> None:
         + _model_problems(cfg, check_files)
         + _device_problems(cfg)
         + _run_problems(cfg, ranks)
+        + _vllm_problems(cfg.sampler, ranks)
     )
     if check_files and not problems:  # the rules first: they need no tokenizer, so they are said in a second
         problems += _machine_problems(cfg)
@@ -129,6 +132,7 @@ def _number_problems(cfg: Any) -> list[str]:
         "trainer.num_iterations": trainer.num_iterations,
         "sampler.max_new_tokens": sampler.max_new_tokens,
         "optimizer.lr": cfg.optimizer.lr,
+        "trainer.rollout_correction_cap": trainer.rollout_correction_cap,
     }
     problems = [f"{key}={value} must be positive." for key, value in positive.items() if value <= 0]
     if not sampler.temperature > 0:
@@ -231,6 +235,36 @@ def _run_problems(cfg: Any, ranks: int) -> list[str]:
     return problems
 
 
+def _vllm_problems(sampler: Any, ranks: int) -> list[str]:
+    """sampler.vllm's settings, read with sampler.backend=vllm only."""
+    if _lower(sampler.backend) != "vllm":
+        return []
+    settings, problems = sampler.vllm, []
+    if _lower(settings.dtype) not in ("auto", "float32", "bfloat16", "float16"):
+        problems.append(f"sampler.vllm.dtype={settings.dtype!r} is not one of auto, float32, bfloat16, float16.")
+    if not settings.kv_cache_gb >= 0:
+        problems.append(
+            f"sampler.vllm.kv_cache_gb={settings.kv_cache_gb} must be >= 0 (0: sized to one sampling call)."
+        )
+    utilization = settings.gpu_memory_utilization
+    if utilization is not None and not 0 < utilization <= 1:
+        problems.append(f"sampler.vllm.gpu_memory_utilization={utilization} must be in (0, 1], or null.")
+    if utilization is not None and settings.kv_cache_gb:
+        problems.append(
+            f"sampler.vllm.gpu_memory_utilization={utilization} and sampler.vllm.kv_cache_gb="
+            f"{settings.kv_cache_gb} both size the engine's KV cache: set one (the other null / 0)."
+        )
+    if settings.tensor_parallel_size < 1:
+        problems.append(f"sampler.vllm.tensor_parallel_size={settings.tensor_parallel_size} must be at least 1.")
+    if ranks > 1:
+        problems.append(
+            f"sampler.backend=vllm under torchrun ({ranks} processes): each process would build an engine "
+            "of its own beside its share of the model, which grpo-cli does not do yet. Use one process "
+            "(sampler.vllm.tensor_parallel_size spreads the engine over GPUs), or sampler=fast under torchrun."
+        )
+    return problems
+
+
 def _machine_problems(cfg: Any) -> list[str]:
     """What this machine must hold: the model's tokenizer and config, the data files, a usable
     output folder, the loggers' packages, the CUDA devices named, the resume checkpoint."""
@@ -268,9 +302,30 @@ def _machine_problems(cfg: Any) -> list[str]:
             f"optimizer._target_={cfg.optimizer._target_}: paged optimizers keep their states in CUDA "
             "unified memory, and this run is on the CPU. Use optimizer=adamw_8bit (or adamw)."
         )
+    if _lower(cfg.sampler.backend) == "vllm":
+        problems += _vllm_machine_problems(cfg.sampler.vllm, on_cuda)
     resume = trainer.resume
     if isinstance(resume, bool) or (isinstance(resume, str) and resume):
         problems += resume_problems(cfg)
+    return problems
+
+
+def _vllm_machine_problems(settings: Any, on_cuda: bool) -> list[str]:
+    """vLLM installed, and its CUDA-only settings on a CUDA run."""
+    from grpo_cli.sampling.vllm import VLLM_MISSING, vllm_installed
+
+    problems = [] if vllm_installed() else [VLLM_MISSING]
+    if not on_cuda:
+        cuda_only = {
+            "sampler.vllm.gpu_memory_utilization": settings.gpu_memory_utilization is not None,
+            "sampler.vllm.tensor_parallel_size": settings.tensor_parallel_size > 1,
+        }
+        problems += [
+            f"{key} is for CUDA runs, and this one is on the CPU: on a CPU the engine is one process, "
+            "its KV cache sized by sampler.vllm.kv_cache_gb (0: to one sampling call)."
+            for key, wrong in cuda_only.items()
+            if wrong
+        ]
     return problems
 
 

@@ -35,7 +35,7 @@ from typing import NamedTuple
 
 import torch
 
-from grpo_cli.config import AGGREGATIONS, KL_ESTIMATORS
+from grpo_cli.config import AGGREGATIONS, KL_ESTIMATORS, ROLLOUT_CORRECTIONS
 
 LOGIT_CHUNK_ELEMENTS = 1 << 24  # float32 elements per chunk of logits (64 MiB): rows = this / vocab
 
@@ -175,6 +175,52 @@ def aggregate(per_token: torch.Tensor, mask: torch.Tensor, aggregation: str, ste
     raise ValueError(f"unknown loss aggregation {aggregation!r}; one of {', '.join(AGGREGATIONS)}")
 
 
+class RolloutCorrection(NamedTuple):
+    weights: torch.Tensor  # [N, T] w multiplying each token's policy term (no grad)
+    capped: torch.Tensor  # [N, T] bool: loss tokens whose raw ratio exceeded the cap (truncated or masked)
+
+
+def rollout_weights(
+    trainer_log_probs: torch.Tensor,  # [N, T] log pi_old(token), the trainer's, at the weights that sampled
+    sampler_log_probs: torch.Tensor,  # [N, T] log pi_sampler(token), what the sampler drew from
+    mask: torch.Tensor,  # [N, T] tokens in the loss
+    mode: str,
+    cap: float,
+) -> RolloutCorrection:
+    """Truncated importance sampling for a sampler whose distribution is not the trainer's
+    (TIS: Yao et al. 2025; TRL's vllm_importance_sampling_mode, verl's rollout_is, OpenRLHF's
+    vllm_is_correction). With d_t = log pi_old(o_t) - log pi_sampler(o_t) over the loss tokens
+    and C = cap:
+        token_truncate:     w_t = min(e^{d_t}, C)
+        token_mask:         w_t = e^{d_t} if e^{d_t} <= C, else 0
+        sequence_truncate:  w_t = min(e^{D}, C)               D = sum_t d_t over the sequence
+        sequence_mask:      w_t = e^{D} if e^{D} <= C, else 0
+        none:               w_t = 1
+    Positions outside the mask get d_t = 0. Example, one sequence, C = 2, d = [log 3, log 0.5]:
+    token_truncate [2, 0.5]; token_mask [0, 0.5]; D = log 1.5: sequence_* [1.5, 1.5].
+    """
+    mask = mask.to(trainer_log_probs.dtype)
+    log_ratio = (trainer_log_probs - sampler_log_probs.to(trainer_log_probs.dtype)) * mask
+    if mode == "none":
+        return RolloutCorrection(torch.ones_like(log_ratio), torch.zeros_like(log_ratio, dtype=torch.bool))
+    if mode not in ROLLOUT_CORRECTIONS:
+        raise ValueError(f"unknown rollout correction {mode!r}; one of {', '.join(ROLLOUT_CORRECTIONS)}")
+    if mode.startswith("sequence_"):
+        log_ratio = log_ratio.sum(dim=1, keepdim=True).expand_as(log_ratio)
+    ratio = torch.exp(log_ratio)  # may be inf for a sequence far off: truncated to C, or masked
+    capped = (ratio > cap) & mask.bool()
+    weights = ratio.clamp(max=cap) if mode.endswith("_truncate") else ratio.masked_fill(ratio > cap, 0.0)
+    return RolloutCorrection(weights.detach(), capped)
+
+
+def log_prob_mismatch(
+    trainer_log_probs: torch.Tensor, sampler_log_probs: torch.Tensor, mask: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """|log pi_trainer - log pi_sampler| over the masked tokens: (its sum, its max), scalars."""
+    gap = (trainer_log_probs.detach() - sampler_log_probs.to(trainer_log_probs.dtype)).abs() * mask
+    return gap.sum(), gap.max() if gap.numel() else torch.zeros(())
+
+
 @dataclass(frozen=True)
 class LossSettings:
     clip_eps: float  # lower clip: rho >= 1 - clip_eps
@@ -193,8 +239,10 @@ def grpo_loss(
     mask: torch.Tensor,  # [N, T] completion tokens in the loss
     settings: LossSettings,
     step: LossDenominators,
+    rollout_weights: torch.Tensor | None = None,  # [N, T] (no grad): the rollout correction's w
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """The loss of one micro-batch, and detached sums for the step's metrics.
+    """The loss of one micro-batch, and detached sums for the step's metrics. `rollout_weights`
+    multiply each token's policy term (not its KL term), as TRL, verl and OpenRLHF apply them.
 
     Worked example, one token, A = 1, eps = 0.2: logp - old = log 1.5 -> rho = 1.5, clipped to
     1.2; min(1.5 * 1, 1.2 * 1) = 1.2, so the token contributes -1.2 and no gradient (the clipped
@@ -210,6 +258,8 @@ def grpo_loss(
     unclipped = ratio * advantages
     clipped = torch.clamp(ratio, 1.0 - settings.clip_eps, 1.0 + settings.clip_eps_high) * advantages
     per_token = -torch.minimum(unclipped, clipped)  # [N, T]
+    if rollout_weights is not None:
+        per_token = per_token * rollout_weights
     kl = None
     if ref_log_probs is not None:
         kl = kl_estimate(log_probs, torch.where(tokens, ref_log_probs, detached), settings.kl_estimator)

@@ -21,7 +21,16 @@ from typing import NamedTuple
 
 import torch
 
-from grpo_cli.algorithm.losses import LossDenominators, LossSettings, grpo_loss, token_entropy, token_log_probs
+from grpo_cli.algorithm.losses import (
+    LossDenominators,
+    LossSettings,
+    RolloutCorrection,
+    grpo_loss,
+    log_prob_mismatch,
+    rollout_weights,
+    token_entropy,
+    token_log_probs,
+)
 from grpo_cli.config import TrainerConfig
 from grpo_cli.distributed import ONE_PROCESS, World, max_over_ranks, sum_over_ranks
 from grpo_cli.models.loading import Models, reference_model, trainable_parameters
@@ -153,6 +162,7 @@ class MicroBatch(NamedTuple):
     mask: torch.Tensor  # [n, t] completion tokens (1 up to and including EOS)
     loss_mask: torch.Tensor  # [n, t] the tokens in the loss (mask, less truncated completions under mask_truncated)
     advantages: torch.Tensor  # [n]
+    sampler_log_probs: torch.Tensor | None  # [n, t] the sampler's own log-probs (Rollout.sampler_log_probs)
 
 
 def micro_batch(
@@ -163,6 +173,7 @@ def micro_batch(
     mask: torch.Tensor,
     loss_mask: torch.Tensor,
     advantages: torch.Tensor,
+    sampler_log_probs: torch.Tensor | None = None,
 ) -> MicroBatch:
     """MicroBatch of `rows` ([N, P] prompts, left-padded; [N, T] completions). Example: prompts
     [[0, 0, 5], [0, 6, 7]] keep their last two columns; completion masks [[1, 0, 0], [1, 1, 0]]
@@ -177,6 +188,7 @@ def micro_batch(
         mask[rows, :width],
         loss_mask[rows, :width],
         advantages[rows],
+        None if sampler_log_probs is None else sampler_log_probs[rows, :width],
     )
 
 
@@ -191,11 +203,26 @@ class StepTotals:
     tokens: float = 0.0  # loss tokens, all passes
     entropy_sum: float = 0.0  # first pass, over every completion token (truncated or not)
     entropy_tokens: float = 0.0
+    mismatch_sum: float = 0.0  # first pass, over loss tokens: |log pi_trainer - log pi_sampler|
+    mismatch_tokens: float = 0.0  # the loss tokens it was measured on (0: the sampler keeps no log-probs)
+    corrected_tokens: float = 0.0  # ... of them truncated or masked by the rollout correction
+    mismatch_max: float = 0.0
     clipped_by_pass: list[float] = field(default_factory=list)  # [passes]
     tokens_by_pass: list[float] = field(default_factory=list)  # [passes]
     deviation_by_pass: list[float] = field(default_factory=list)  # [passes] max |ratio - 1|
 
-    SUMMED = ("loss", "kl_sum", "clipped_high", "clipped_low", "tokens", "entropy_sum", "entropy_tokens")
+    SUMMED = (
+        "loss",
+        "kl_sum",
+        "clipped_high",
+        "clipped_low",
+        "tokens",
+        "entropy_sum",
+        "entropy_tokens",
+        "mismatch_sum",
+        "mismatch_tokens",
+        "corrected_tokens",
+    )
 
     def add(self, loss: float, metrics: dict) -> None:
         """One micro-batch of the current pass (the last one started with `start_pass`)."""
@@ -209,6 +236,14 @@ class StepTotals:
     def add_entropy(self, entropy_sum: float, tokens: float) -> None:
         self.entropy_sum += entropy_sum
         self.entropy_tokens += tokens
+
+    def add_mismatch(self, old_log_probs: torch.Tensor, batch: MicroBatch, correction: RolloutCorrection) -> None:
+        """The sampler's log-probs of `batch` against the trainer's at the weights that sampled."""
+        gap_sum, gap_max = log_prob_mismatch(old_log_probs, batch.sampler_log_probs, batch.loss_mask)
+        self.mismatch_sum += gap_sum.item()
+        self.mismatch_max = max(self.mismatch_max, gap_max.item())
+        self.mismatch_tokens += float(batch.loss_mask.sum())
+        self.corrected_tokens += float(correction.capped.sum())
 
     def start_pass(self) -> None:
         self.clipped_by_pass.append(0.0)
@@ -228,11 +263,13 @@ class StepTotals:
             clipped_by_pass=per_pass[:passes],
             tokens_by_pass=per_pass[passes:],
             deviation_by_pass=max_over_ranks(self.deviation_by_pass, world),
+            mismatch_max=max_over_ranks([self.mismatch_max], world)[0],
         )
 
     def stats(self, grad_norm: float, loss_tokens: int, skipped: int) -> UpdateStats:
         passes = max(len(self.clipped_by_pass), 1)
         tokens = max(self.tokens, 1.0)
+        measured = self.mismatch_tokens > 0
         return UpdateStats(
             loss=self.loss / passes,
             kl=self.kl_sum / tokens,
@@ -244,6 +281,9 @@ class StepTotals:
             ],
             ratio_deviation_by_pass=self.deviation_by_pass,
             entropy=self.entropy_sum / max(self.entropy_tokens, 1.0),
+            logprob_mismatch=self.mismatch_sum / self.mismatch_tokens if measured else None,
+            logprob_mismatch_max=self.mismatch_max if measured else None,
+            corrected_fraction=self.corrected_tokens / self.mismatch_tokens if measured else None,
             grad_norm=grad_norm,
             tokens=loss_tokens,
             skipped_steps=skipped,
@@ -307,15 +347,33 @@ def update_policy(
             with syncing:
                 log_probs, entropy = log_probs_of(trained, batch, with_entropy=iteration == 0)
                 old_log_probs = old[index] if old is not None else log_probs.detach()
+                correction = sampler_correction(old_log_probs, batch, trainer)
                 losses = (log_probs, old_log_probs, reference[index], batch.advantages, batch.loss_mask)
-                loss, metrics = grpo_loss(*losses, settings, denominators)
+                weights = None if correction is None else correction.weights  # [n, t] w
+                loss, metrics = grpo_loss(*losses, settings, denominators, weights)
                 (loss * rank_scale).backward()
             if entropy is not None:  # the first pass, over every completion token, truncated or not
                 totals.add_entropy((entropy * batch.mask).sum().item(), float(batch.mask.sum()))
+            if iteration == 0 and correction is not None:  # the sampler's log-probs against the trainer's
+                totals.add_mismatch(old_log_probs, batch, correction)
             totals.add(loss.item(), metrics)
         grad_norm = clip_and_step(parameters, optimizer, scheduler, max_grad_norm)
         skipped += not math.isfinite(grad_norm)
     return totals.over_ranks(world).stats(grad_norm, denominators.tokens, skipped)
+
+
+def sampler_correction(old_log_probs: torch.Tensor, batch: MicroBatch, trainer: TrainerConfig):
+    """The rollout correction of `batch` (RolloutCorrection), or None where its sampler keeps no
+    log-probs. old_log_probs: the trainer's at the weights that sampled ([n, t], no grad)."""
+    if batch.sampler_log_probs is None:
+        return None
+    return rollout_weights(
+        old_log_probs,
+        batch.sampler_log_probs,
+        batch.loss_mask,
+        trainer.rollout_correction,
+        trainer.rollout_correction_cap,
+    )
 
 
 def loss_settings(trainer: TrainerConfig, beta: float) -> LossSettings:
@@ -373,11 +431,19 @@ def micro_batches(
     if trainer.mask_truncated:  # DAPO's overlong filter: no credit or blame for a cut-off answer
         loss_mask = mask * (~rollout.truncated).to(device).unsqueeze(1).to(mask.dtype)
     advantage_values = advantages.values.to(device)
+    sampler_log_probs = None if rollout.sampler_log_probs is None else rollout.sampler_log_probs.to(device)
     count = completion_ids.shape[0]
     size = trainer.micro_batch_size or count
     batches = [
         micro_batch(
-            slice(start, start + size), prompt_ids, prompt_mask, completion_ids, mask, loss_mask, advantage_values
+            slice(start, start + size),
+            prompt_ids,
+            prompt_mask,
+            completion_ids,
+            mask,
+            loss_mask,
+            advantage_values,
+            sampler_log_probs,
         )
         for start in range(0, count, size)
     ]

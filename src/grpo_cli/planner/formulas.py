@@ -189,13 +189,19 @@ def reference_amount(arch: Architecture, act: int, count: int, prompt: int, new:
     )
 
 
+def kv_bytes_per_token(arch: Architecture, act: int) -> int:
+    """The keys and values of one position in every layer, in bytes (`act` a value's size).
+    Example: 4 layers x 2 kv heads x 32 wide x 4 B x 2 (k and v) = 2048 B."""
+    return 2 * arch.num_layers * arch.num_kv_heads * arch.head_dim * act
+
+
 def sampling_amounts(arch: Architecture, act: int, count: int, prompt: int, new: int) -> tuple[Amount, Amount]:
     """generate() with a dynamic cache for `count` sequences: keys and values of every layer and
     position; and the larger of the prompt's forward (the cache then holds only the prompt) and,
     at the last token, the old copy of one layer's keys while torch.cat grows them, plus the
     next-token logits [N, V] (the model's, a float32 copy, the processed scores, the probabilities)."""
     sequence = prompt + new
-    per_position = 2 * arch.num_layers * arch.num_kv_heads * arch.head_dim * act  # k and v, all layers
+    per_position = kv_bytes_per_token(arch, act)  # k and v, all layers
     cache = Amount(per_position * count * sequence, f"{count} seqs x {sequence} positions x {per_position:,} B")
     # Above the full cache: while the prompt runs the cache lacks the new tokens' positions.
     prompt_forward = forward_bytes(arch, act, count, prompt) - per_position * count * new

@@ -23,8 +23,7 @@ from typing import Any, Optional
 from omegaconf import OmegaConf
 
 from grpo_cli.algorithm.update import shared_prompt_pass_group
-from grpo_cli.config import ArchitectureConfig, beta_schedule, boosted_group_size
-from grpo_cli.evaluation import EVAL_BATCH
+from grpo_cli.config import EVAL_BATCH, ArchitectureConfig, beta_schedule, boosted_group_size
 from grpo_cli.launch import launched_world_size
 from grpo_cli.planner.architecture import (
     Architecture,
@@ -42,6 +41,7 @@ from grpo_cli.planner.formulas import (
     DTYPE_BYTES,
     Amount,
     forward_bytes,
+    kv_bytes_per_token,
     optimizer_bytes,
     reference_amount,
     sampling_amounts,
@@ -143,11 +143,17 @@ def plan_memory(
     arch = arch or architecture_of(cfg.model)
     shape, assumptions = _step_shape(cfg, arch, device or _device_kind(cfg.trainer.device), prompt_tokens)
     rows, trained, adapted, reference_here = _held_rows(cfg, arch, shape)
-    rows += _sampling_rows(cfg, arch, shape, trained if cfg.model.lora.enabled else (), "sampling", shape.completions)
+    engine = str(cfg.sampler.backend).lower() == "vllm"
+    if engine:  # its weights and KV cache are held for the run; a decode works in its cache
+        rows += _vllm_rows(cfg, arch, shape, assumptions)
+    else:
+        rows += _sampling_rows(
+            cfg, arch, shape, trained if cfg.model.lora.enabled else (), "sampling", shape.completions
+        )
     for entry in cfg.reward.functions:  # held weights, and a phase after sampling
         rows += _reward_model_rows(entry, shape.device, shape.prompt_tokens + shape.new_tokens)
     rows += _update_rows(cfg, arch, shape, trained, adapted, reference_here)
-    if _has_eval(cfg.data):  # greedy, EVAL_BATCH prompts per generate (pass@k samples no more than a step)
+    if _has_eval(cfg.data) and not engine:  # greedy, EVAL_BATCH prompts per generate (pass@k: no more than a step)
         prompts = min(cfg.data.eval_size, EVAL_BATCH)
         rows += _sampling_rows(cfg, arch, shape, trained if cfg.model.lora.enabled else (), "eval", prompts)
     return MemoryPlan(rows, arch, shape.device, shape.prompt_tokens, assumptions)
@@ -226,6 +232,39 @@ def _sampling_rows(
     if packed:
         rows.append(_row(f"{phase} packed weights", packed, phase))
     return rows
+
+
+def _vllm_rows(cfg: Any, arch: Architecture, shape: StepShape, assumptions: list[str]) -> list[PlanRow]:
+    """sampler=vllm (sampling/vllm.py): the engine's copy of the weights (a LoRA adapter merged,
+    quantized weights dequantized) and its KV cache, held for the run, and a decode's work."""
+    from grpo_cli.models.loading import resolve_autocast
+    from grpo_cli.sampling.vllm import kv_cache_bytes_needed, sampling_sequences
+
+    settings = cfg.sampler.vllm
+    dtype = str(settings.dtype).lower()
+    if dtype == "auto":  # what the trainer's forward passes run in (sampling.vllm.engine_dtype)
+        autocast = resolve_autocast(str(cfg.model.autocast).lower(), shape.device)
+        dtype = "bfloat16" if autocast == "bfloat16" else shape.dtype
+    size, count = DTYPE_BYTES[dtype], parameter_count(model_weights(arch))
+    note = f"{count:,} params x {size} B ({dtype}): the engine's own copy, unquantized, any adapter merged"
+    rows = [PlanRow("vLLM weights", count * size, note)]
+    if settings.gpu_memory_utilization is not None:
+        assumptions.append(
+            f"vLLM's KV cache not counted: it fills sampler.vllm.gpu_memory_utilization="
+            f"{settings.gpu_memory_utilization} of the GPU, whatever else is there"
+        )
+    else:
+        sequences, length = sampling_sequences(cfg, EVAL_BATCH), shape.prompt_tokens + shape.new_tokens
+        per_token = kv_bytes_per_token(arch, size)
+        cache = int(settings.kv_cache_gb * GB) or kv_cache_bytes_needed(sequences, length, per_token)
+        note = (
+            f"sampler.vllm.kv_cache_gb={settings.kv_cache_gb:g}"
+            if settings.kv_cache_gb
+            else f"{sequences} seqs x {length} positions in whole blocks x {per_token:,} B"
+        )
+        rows.append(PlanRow("vLLM KV cache", cache, note))
+    work = sampling_amounts(arch, size, shape.completions, shape.prompt_tokens, shape.new_tokens)[1]
+    return rows + [_row("sampling work", work, "sampling")]
 
 
 def _update_rows(

@@ -215,6 +215,9 @@ class FastSampler:
         completion_ids = self.decode(policy, batch.input_ids, batch.attention_mask, group, greedy=False)
         return rollout_from(batch, group, completion_ids, self.tokenizer, self.cfg.temperature)
 
+    def close(self) -> None:
+        """Nothing to free: the sampler holds nothing beyond the policy."""
+
     def greedy(self, policy, batch: PromptBatch) -> list[str]:
         """One greedy completion per prompt (for eval)."""
         completion_ids = self.decode(policy, batch.input_ids, batch.attention_mask, 1, greedy=True)

@@ -60,6 +60,9 @@ class HFSampler:
         )
         return rollout_from(batch, group, completion_ids, self.tokenizer, self.cfg.temperature, prompt_rows)
 
+    def close(self) -> None:
+        """Nothing to free: the sampler holds nothing beyond the policy."""
+
     def greedy(self, policy, batch: PromptBatch) -> list[str]:
         """One greedy completion per prompt (for eval)."""
         completion_ids = self._generate(policy, batch.input_ids, batch.attention_mask, do_sample=False)

@@ -37,10 +37,12 @@ def rollout_from(
     tokenizer,
     temperature: float,
     prompt_rows: tuple[torch.Tensor, torch.Tensor] | None = None,
+    sampler_log_probs: torch.Tensor | None = None,
 ) -> Rollout:
     """The Rollout of `group` completions per prompt of `batch`: completion_ids [B*G, T], rows
-    grouped by prompt (each prompt's G completions side by side), as both samplers return them.
-    prompt_rows: repeated_prompts(batch, group), where the sampler has made them already."""
+    grouped by prompt (each prompt's G completions side by side), as every sampler returns them.
+    prompt_rows: repeated_prompts(batch, group), where the sampler has made them already;
+    sampler_log_probs [B*G, T]: the sampler's log-probs of those tokens, where it has them."""
     mask, truncated = completion_mask(completion_ids, tokenizer.eos_token_id)
     prompt_ids, prompt_mask = prompt_rows if prompt_rows is not None else repeated_prompts(batch, group)
     return Rollout(
@@ -54,4 +56,5 @@ def rollout_from(
         columns={key: [v for v in values for _ in range(group)] for key, values in batch.columns.items()},
         group_size=group,
         temperature=temperature,
+        sampler_log_probs=sampler_log_probs,
     )

@@ -27,6 +27,7 @@ trained policy finds other prompts easy than the base model does.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import statistics
@@ -46,7 +47,7 @@ from grpo_cli.data.prompts import PromptSource, batches, load_rows
 from grpo_cli.data.tasks import synthetic_task_name
 from grpo_cli.models.loading import load_models, resolve_device
 from grpo_cli.rewards.api import RewardScorer
-from grpo_cli.sampling import make_sampler
+from grpo_cli.sampling import run_sampler
 from grpo_cli.state import find_resume_checkpoint, seed_everything
 from grpo_cli.validation import validate
 
@@ -190,7 +191,7 @@ def score_prompts(cfg: Any, rows: list[dict[str, Any]], checkpoint: Optional[Pat
         checkpoint=str(checkpoint) if checkpoint else None,
     )
     prompts = PromptSource(cfg.data, models.tokenizer, rows=rows)
-    sampler = make_sampler(cfg.sampler, models.tokenizer, autocast=models.autocast_dtype)
+    sampler = run_sampler(cfg, models, rows)
     totals, informative = [], []  # per batch: [B, G], [B]
     error_counts: dict[str, int] = {}
     first_errors: dict[str, str] = {}
@@ -206,7 +207,7 @@ def score_prompts(cfg: Any, rows: list[dict[str, Any]], checkpoint: Optional[Pat
     )
     task = progress.add_task("filter", total=len(rows))
     done = 0
-    with progress:
+    with progress, contextlib.closing(sampler):  # sampler=vllm: the engine goes at the end
         for chunk in batches(rows, cfg.data.prompts_per_step):
             rewards = scorer.score(sampler.sample(models.policy, prompts.make_batch(chunk)))
             # The very rule that zeroes a group's advantages in training (on the shaped rewards
