@@ -362,7 +362,9 @@ def update_policy(
     return totals.over_ranks(world).stats(grad_norm, denominators.tokens, skipped)
 
 
-def sampler_correction(old_log_probs: torch.Tensor, batch: MicroBatch, trainer: TrainerConfig):
+def sampler_correction(
+    old_log_probs: torch.Tensor, batch: MicroBatch, trainer: TrainerConfig
+) -> RolloutCorrection | None:
     """The rollout correction of `batch` (RolloutCorrection), or None where its sampler keeps no
     log-probs. old_log_probs: the trainer's at the weights that sampled ([n, t], no grad)."""
     if batch.sampler_log_probs is None:
