@@ -121,9 +121,7 @@ class UpdateStats:
     clip_fraction_by_pass: list[float]  # [num_iterations]
     ratio_deviation_by_pass: list[float]  # [num_iterations] max |pi/pi_old - 1| over loss tokens
     entropy: float | None  # mean per-token entropy of the policy on its own completions
-    logprob_mismatch: (
-        float | None
-    )  # mean |log pi_trainer - log pi_sampler| over loss tokens; None: no sampler log-probs
+    logprob_mismatch: float | None  # mean |log pi_trainer - log pi_sampler| over loss tokens (None: none kept)
     logprob_mismatch_max: float | None  # ... its max
     corrected_fraction: float | None  # loss tokens whose rollout-correction ratio passed the cap
     grad_norm: float  # global gradient norm before clipping (last optimizer step)

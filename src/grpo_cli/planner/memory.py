@@ -238,7 +238,7 @@ def _vllm_rows(cfg: Any, arch: Architecture, shape: StepShape, assumptions: list
     """sampler=vllm (sampling/vllm.py): the engine's copy of the weights (a LoRA adapter merged,
     quantized weights dequantized) and its KV cache, held for the run, and a decode's work."""
     from grpo_cli.models.loading import resolve_autocast
-    from grpo_cli.sampling.vllm import kv_cache_bytes_needed, sampling_sequences
+    from grpo_cli.sampling.vllm import kv_cache_bytes, sampling_sequences
 
     settings = cfg.sampler.vllm
     dtype = str(settings.dtype).lower()
@@ -248,19 +248,18 @@ def _vllm_rows(cfg: Any, arch: Architecture, shape: StepShape, assumptions: list
     size, count = DTYPE_BYTES[dtype], parameter_count(model_weights(arch))
     note = f"{count:,} params x {size} B ({dtype}): the engine's own copy, unquantized, any adapter merged"
     rows = [PlanRow("vLLM weights", count * size, note)]
-    if settings.gpu_memory_utilization is not None:
+    length = shape.prompt_tokens + shape.new_tokens
+    cache = kv_cache_bytes(cfg, arch, length, size)
+    if cache is None:
         assumptions.append(
             f"vLLM's KV cache not counted: it fills sampler.vllm.gpu_memory_utilization="
             f"{settings.gpu_memory_utilization} of the GPU, whatever else is there"
         )
     else:
-        sequences, length = sampling_sequences(cfg, EVAL_BATCH), shape.prompt_tokens + shape.new_tokens
-        per_token = kv_bytes_per_token(arch, size)
-        cache = int(settings.kv_cache_gb * GB) or kv_cache_bytes_needed(sequences, length, per_token)
         note = (
             f"sampler.vllm.kv_cache_gb={settings.kv_cache_gb:g}"
             if settings.kv_cache_gb
-            else f"{sequences} seqs x {length} positions in whole blocks x {per_token:,} B"
+            else f"{sampling_sequences(cfg)} seqs x {length} positions in whole blocks x {kv_bytes_per_token(arch, size):,} B"
         )
         rows.append(PlanRow("vLLM KV cache", cache, note))
     work = sampling_amounts(arch, size, shape.completions, shape.prompt_tokens, shape.new_tokens)[1]

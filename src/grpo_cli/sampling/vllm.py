@@ -99,25 +99,17 @@ def engine_spec(cfg: Any, device: torch.device, autocast: torch.dtype | None, lo
     from grpo_cli.models.loading import resolve_dtype
     from grpo_cli.models.sources import resolve_model
     from grpo_cli.planner.architecture import architecture_of
-    from grpo_cli.planner.formulas import kv_bytes_per_token
 
     sampler, settings = cfg.sampler, cfg.sampler.vllm
     dtype = engine_dtype(settings.dtype, resolve_dtype(cfg.model.dtype, device), autocast)
     max_model_len = longest_prompt + sampler.max_new_tokens
-    kv_cache_bytes = None
-    if settings.gpu_memory_utilization is None:
-        kv_cache_bytes = int(settings.kv_cache_gb * 1e9)
-        if not kv_cache_bytes:
-            size = torch.tensor([], dtype=dtype).element_size()
-            kv_cache_bytes = kv_cache_bytes_needed(
-                sampling_sequences(cfg, EVAL_BATCH), max_model_len, kv_bytes_per_token(architecture_of(cfg.model), size)
-            )
+    value_bytes = torch.tensor([], dtype=dtype).element_size()
     return EngineSpec(
         folder=resolve_model(str(cfg.model.name_or_path)),
         dtype=dtype,
         device=device,
         max_model_len=max_model_len,
-        kv_cache_bytes=kv_cache_bytes,
+        kv_cache_bytes=kv_cache_bytes(cfg, architecture_of(cfg.model), max_model_len, value_bytes),
         gpu_memory_utilization=settings.gpu_memory_utilization,
         tensor_parallel_size=settings.tensor_parallel_size,
         enforce_eager=device.type == "cpu" if settings.enforce_eager is None else bool(settings.enforce_eager),
@@ -125,14 +117,28 @@ def engine_spec(cfg: Any, device: torch.device, autocast: torch.dtype | None, lo
     )
 
 
-def sampling_sequences(cfg: Any, eval_batch: int) -> int:
+def kv_cache_bytes(cfg: Any, arch: Any, max_model_len: int, value_bytes: int) -> int | None:
+    """The engine's KV cache of a run of `cfg` (the model's shape `arch`, a planner Architecture;
+    keys and values of `value_bytes` each): sampler.vllm.kv_cache_gb, or with 0 what one sampling
+    call holds; None where gpu_memory_utilization lets vLLM size it. engine_spec gives the engine
+    this, and the memory plan counts it."""
+    from grpo_cli.planner.formulas import kv_bytes_per_token
+
+    settings = cfg.sampler.vllm
+    if settings.gpu_memory_utilization is not None:
+        return None
+    given = int(settings.kv_cache_gb * 1e9)
+    return given or kv_cache_bytes_needed(sampling_sequences(cfg), max_model_len, kv_bytes_per_token(arch, value_bytes))
+
+
+def sampling_sequences(cfg: Any) -> int:
     """The most sequences one sampling call of the run holds at once: a step's prompts x G (the
-    adaptive group size's largest G), or the greedy eval's batch of `eval_batch` prompts."""
+    adaptive group size's largest G), or the greedy eval's batch of EVAL_BATCH prompts."""
     from grpo_cli.config import boosted_group_size
 
     sampler, data = cfg.sampler, cfg.data
     group = boosted_group_size(sampler) if sampler.adaptive.enabled else sampler.group_size
-    evaluated = min(data.eval_size, eval_batch) if data.eval_size else 0
+    evaluated = min(data.eval_size, EVAL_BATCH) if data.eval_size else 0
     return max(data.prompts_per_step * group, evaluated)
 
 
