@@ -513,8 +513,8 @@ def phase_times(size: str, repeats: int, shared: bool = True) -> list[tuple[str,
     machine reaches on a large matmul of the model's MLP shape."""
     import torch
 
+    from grpo_cli.algorithm.log_probs import completion_log_probs
     from grpo_cli.algorithm.losses import LossDenominators, LossSettings, grpo_loss
-    from grpo_cli.algorithm.update import completion_log_probs
     from grpo_cli.models.loading import reference_model
 
     passes_per_group = GROUP if shared else 1  # completion_log_probs' group_size: 1 = a pass per completion

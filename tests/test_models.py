@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from grpo_cli.algorithm.update import completion_log_probs
+from grpo_cli.algorithm.log_probs import completion_log_probs
 from grpo_cli.models.loading import reference_model
 from helpers import config, one_step
 

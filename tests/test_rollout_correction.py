@@ -149,8 +149,9 @@ def update_with_sampler_log_probs(tiny_model_dir, offsets, *overrides):
     trainer's own log-probs plus `offsets(mask)` ([N, T]) (None: no sampler log-probs at all).
     Returns (UpdateStats, the gradient-free weights after the step)."""
     from grpo_cli.algorithm.advantages import group_advantages
+    from grpo_cli.algorithm.log_probs import completion_log_probs
     from grpo_cli.algorithm.optim import make_optimizer, make_scheduler
-    from grpo_cli.algorithm.update import completion_log_probs, update_policy
+    from grpo_cli.algorithm.update import update_policy
     from grpo_cli.data.prompts import PromptSource
     from grpo_cli.models.loading import load_models, trainable_parameters
     from grpo_cli.sampling import make_sampler

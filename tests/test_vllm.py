@@ -20,8 +20,9 @@ import pytest
 import torch
 
 from grpo_cli.algorithm.advantages import group_advantages
+from grpo_cli.algorithm.log_probs import completion_log_probs
 from grpo_cli.algorithm.optim import make_optimizer, make_scheduler
-from grpo_cli.algorithm.update import completion_log_probs, update_policy
+from grpo_cli.algorithm.update import update_policy
 from grpo_cli.data.prompts import PromptSource, train_and_eval_rows
 from grpo_cli.logs import read_metrics
 from grpo_cli.models.loading import load_models, resolve_autocast, trainable_parameters

@@ -52,7 +52,7 @@ def _blocks(logits: torch.Tensor, length: int, chunk_rows: int | None):
             yield slice(first, first + sequences), slice(start, min(start + positions, length))
 
 
-def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
+def compute_dtype(dtype: torch.dtype) -> torch.dtype:
     """float32 for bf16/fp16 logits (their logsumexp is too coarse), float64 stays float64."""
     return torch.promote_types(dtype, torch.float32)
 
@@ -70,7 +70,7 @@ class _TokenLogProbs(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, logits, tokens, temperature, chunk_rows):  # [N, L, V], [N, T] with T <= L
-        dtype = _compute_dtype(logits.dtype)
+        dtype = compute_dtype(logits.dtype)
         out = torch.empty(tokens.shape, dtype=dtype, device=logits.device)
         for seqs, pos in _blocks(logits, tokens.shape[1], chunk_rows):
             block = logits[seqs, pos].to(dtype) / temperature
@@ -112,7 +112,7 @@ def token_entropy(
     [N, L, V] -> [N, length]. No gradient. H = logsumexp(x) - sum softmax(x) * x, by blocks.
     """
     length = logits.shape[1] if length is None else length
-    out = torch.empty(logits.shape[0], length, dtype=_compute_dtype(logits.dtype), device=logits.device)
+    out = torch.empty(logits.shape[0], length, dtype=compute_dtype(logits.dtype), device=logits.device)
     for seqs, pos in _blocks(logits, length, chunk_rows):
         block = logits[seqs, pos].to(out.dtype) / temperature
         out[seqs, pos] = torch.logsumexp(block, dim=-1) - (torch.softmax(block, dim=-1) * block).sum(dim=-1)

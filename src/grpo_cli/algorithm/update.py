@@ -21,6 +21,7 @@ from typing import NamedTuple
 
 import torch
 
+from grpo_cli.algorithm.log_probs import completion_log_probs
 from grpo_cli.algorithm.losses import (
     LossDenominators,
     LossSettings,
@@ -28,127 +29,11 @@ from grpo_cli.algorithm.losses import (
     grpo_loss,
     log_prob_mismatch,
     rollout_weights,
-    token_entropy,
-    token_log_probs,
 )
 from grpo_cli.config import TrainerConfig
 from grpo_cli.distributed import ONE_PROCESS, World, max_over_ranks, sum_over_ranks
 from grpo_cli.models.loading import Models, reference_model, trainable_parameters
-from grpo_cli.models.transformers_api import checkpoints_activations, returned_cache, with_cache
 from grpo_cli.records import Advantages, Rollout, UpdateStats
-
-
-def completion_log_probs(
-    model: torch.nn.Module,
-    prompt_ids: torch.Tensor,  # [N, P]
-    prompt_mask: torch.Tensor,  # [N, P]
-    completion_ids: torch.Tensor,  # [N, T]
-    completion_mask: torch.Tensor,  # [N, T]
-    temperature: float = 1.0,
-    with_entropy: bool = False,
-    group_size: int = 1,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """log pi(completion token | prompt, earlier tokens): [N, T], and optionally entropies [N, T].
-
-    pi is the distribution the tokens were sampled from, softmax(logits / temperature), as TRL
-    and verl compute it: the ratio and the KL then compare like with like.
-
-    `group_size` > 1: the rows come in groups of that many completions of one prompt (a
-    Rollout's layout). Each prompt then runs through the model once, and its keys and values
-    serve its whole group (shared_prompt_log_probs): the same numbers, with the prompt's share
-    of the work divided by G. Rows whose prompts differ, and a model that drops its cache to
-    checkpoint gradients, take the plain path.
-    """
-    input_ids = torch.cat([prompt_ids, completion_ids], dim=1)
-    attention_mask = torch.cat([prompt_mask, completion_mask], dim=1)
-    # Left padding: positions count real tokens only, as `generate` numbered them when sampling.
-    position_ids = (attention_mask.cumsum(dim=1) - 1).clamp(min=0)
-    if group_size > 1 and keeps_cache(model) and one_prompt_per_group(prompt_ids, prompt_mask, group_size):
-        shared = shared_prompt_log_probs(
-            model, input_ids, attention_mask, position_ids, prompt_ids.shape[1], group_size, temperature, with_entropy
-        )
-        if shared is not None:
-            return shared
-    length = completion_ids.shape[1]
-    # [N, T + 1, V]: the last prompt position predicts the first completion token; the final
-    # position (after the last token) is ignored by token_log_probs without slicing a copy.
-    logits = model(
-        input_ids=input_ids,
-        attention_mask=attention_mask,
-        position_ids=position_ids,
-        logits_to_keep=length + 1,
-        use_cache=False,
-    ).logits
-    log_probs = token_log_probs(logits, completion_ids, temperature)
-    entropy = token_entropy(logits, length, temperature) if with_entropy else None  # no grad
-    return log_probs, entropy
-
-
-def one_prompt_per_group(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, group_size: int) -> bool:
-    """Whether rows [N, P] come in groups of `group_size` equal prompts, N a multiple of it."""
-    if prompt_ids.shape[0] % group_size:
-        return False
-    for rows in (prompt_ids, prompt_mask):
-        grouped = rows.view(-1, group_size, rows.shape[1])  # [B, G, P]
-        if not torch.equal(grouped, grouped[:, :1].expand_as(grouped)):
-            return False
-    return True
-
-
-def keeps_cache(model: torch.nn.Module) -> bool:
-    """False where a forward with gradients drops the KV cache (gradient checkpointing does)."""
-    inner = getattr(model, "module", model)  # DDP
-    return not (torch.is_grad_enabled() and checkpoints_activations(inner))
-
-
-def shared_prompt_log_probs(
-    model: torch.nn.Module,
-    input_ids: torch.Tensor,  # [N, P + T]: prompt then completion, rows grouped by prompt
-    attention_mask: torch.Tensor,  # [N, P + T]
-    position_ids: torch.Tensor,  # [N, P + T]
-    prompt_length: int,  # P
-    group_size: int,  # G
-    temperature: float,
-    with_entropy: bool,
-) -> tuple[torch.Tensor, torch.Tensor | None] | None:
-    """completion_log_probs with one prompt pass per group: [N, T] log-probs (and entropies);
-    None for a model whose cache cannot be repeated per row (the caller takes the plain path).
-
-    1. Each group's prompt, B = N / G rows, runs once, keeping its keys and values and the logits
-       of its last position (which predict the first completion token).
-    2. The keys, values and those logits are repeated G times (autograd sums the G copies'
-       gradients back into the one prompt pass), and the completions, less their last token
-       (nothing after it is scored), run on top of them.
-    Equal to the plain pass up to float rounding (tests/test_update.py); the time it saves grows
-    with the prompt's length (docs/BENCHMARKS.md measures it)."""
-    completion_ids = input_ids[:, prompt_length:]  # [N, T]
-    firsts = slice(0, None, group_size)  # the first row of each group
-    prompt = model(
-        input_ids=input_ids[firsts, :prompt_length],
-        attention_mask=attention_mask[firsts, :prompt_length],
-        position_ids=position_ids[firsts, :prompt_length],
-        use_cache=True,
-        logits_to_keep=1,
-    )
-    cache = returned_cache(prompt)
-    if not hasattr(cache, "batch_repeat_interleave"):  # a model with another kind of state
-        return None
-    cache.batch_repeat_interleave(group_size)
-    first_logits = prompt.logits.repeat_interleave(group_size, dim=0)  # [N, 1, V]
-    log_probs = [token_log_probs(first_logits, completion_ids[:, :1], temperature)]
-    entropy = [token_entropy(first_logits, 1, temperature)] if with_entropy else None
-    if completion_ids.shape[1] > 1:
-        logits = model(
-            input_ids=completion_ids[:, :-1],
-            attention_mask=attention_mask[:, :-1],
-            position_ids=position_ids[:, prompt_length:-1],
-            use_cache=True,
-            **with_cache(cache),
-        ).logits  # [N, T-1, V]
-        log_probs.append(token_log_probs(logits, completion_ids[:, 1:], temperature))
-        if with_entropy:
-            entropy.append(token_entropy(logits, None, temperature))
-    return torch.cat(log_probs, dim=1), torch.cat(entropy, dim=1) if with_entropy else None
 
 
 class MicroBatch(NamedTuple):

@@ -121,12 +121,15 @@ def update_amounts(
     rank: int,
     checkpointing: bool,
     prompt_pass_group: int = 1,
+    through_head: bool = True,
 ) -> tuple[Amount, Amount]:
     """One micro-batch of `count` completions: what its forward keeps for the backward, and the
-    backward's peak on top of that. The backward starts at the logits [N, T+1, V]
-    (logits_to_keep), kept by the log-softmax, with their gradient and two float32 blocks; each
-    layer's backward then adds two [N*L, i] gradients (float32-sized: measured), and with
-    gradient checkpointing that layer's recomputed activations.
+    backward's peak on top of that. The backward starts at the log-probs' logits with their
+    gradient and two float32 blocks: one chunk of them (head_logit_elements) where the head runs
+    by chunks on the hidden states (log_probs.py; its forward keeps the N x T scored hidden
+    rows), else the model's [N, T+1, V] logits (FSDP). Each layer's backward then adds two
+    [N*L, i] gradients (float32-sized: measured), and with gradient checkpointing that layer's
+    recomputed activations.
 
     prompt_pass_group = G > 1: one prompt pass per group (update.completion_log_probs): the layers
     keep N/G x P prompt tokens and N x T completion tokens, and each completion's attention keeps
@@ -143,11 +146,7 @@ def update_amounts(
             + layer_saved_bytes(arch, act, sequence, full, adapted, rank) * count * new
             + 2 * act * width * count * prompt
         )
-    final = (4 * arch.hidden_size + 4 + 2 * act * arch.head_dim) * tokens  # last norm; rotary cos, sin
-    if full:
-        final += act * arch.hidden_size * (tokens + count * (new + 1))  # its output; lm_head's input
-    logit_elements = count * (new + 1) * arch.vocab_size
-    logits = 2 * act * logit_elements + 2 * min(LOGIT_BLOCK_BYTES, 4 * logit_elements)
+    final, logits = head_amounts(arch, act, count, tokens, new, full, through_head)
     layer_backward = 2 * 4 * arch.intermediate_size * tokens
     if checkpointing:
         kept = Amount(
@@ -165,10 +164,31 @@ def update_amounts(
         kept = Amount(
             arch.num_layers * per_layer + final, f"{arch.num_layers} layers x {per_layer // tokens:,} B x {shape}"
         )
-    if logits >= layer_backward:
-        return kept, Amount(logits, f"logits {count}x{new + 1}x{arch.vocab_size} x {act} B, their grad, 2 blocks")
+    if logits.bytes >= layer_backward:
+        return kept, logits
     recomputed = "recomputed activations + " if checkpointing else ""
     return kept, Amount(layer_backward, f"one layer's {recomputed}backward temporaries")
+
+
+def head_amounts(
+    arch: Architecture, act: int, count: int, tokens: int, new: int, full: bool, through_head: bool
+) -> tuple[int, Amount]:
+    """What the last norm and the LM head add to the update: the bytes the forward keeps (last
+    norm, rotary cos and sin, and the head's input) over `tokens` positions, and the backward's
+    logits with their gradient and two float32 blocks: one chunk (head_logit_elements) where the
+    head runs by chunks on the N x T scored hidden rows (kept), else [N, T+1, V] (FSDP)."""
+    final = (4 * arch.hidden_size + 4 + 2 * act * arch.head_dim) * tokens  # last norm; rotary cos, sin
+    if through_head:  # the scored hidden rows the chunks recompute from; a trained norm keeps its output
+        final += act * arch.hidden_size * (count * new + (tokens if full else 0))
+        elements = head_logit_elements(arch, count, new)
+        shape = f"{elements // arch.vocab_size}x{arch.vocab_size}"
+        what = "one chunk of logits" if elements < count * new * arch.vocab_size else "logits"
+    else:
+        final += act * arch.hidden_size * (tokens + count * (new + 1)) if full else 0  # its output; lm_head's input
+        elements = count * (new + 1) * arch.vocab_size
+        shape, what = f"{count}x{new + 1}x{arch.vocab_size}", "logits"
+    logits = 2 * act * elements + 2 * min(LOGIT_BLOCK_BYTES, 4 * elements)
+    return final, Amount(logits, f"{what} {shape} x {act} B, their grad, 2 blocks")
 
 
 def forward_bytes(arch: Architecture, act: int, count: int, sequence: int) -> int:
@@ -178,14 +198,25 @@ def forward_bytes(arch: Architecture, act: int, count: int, sequence: int) -> in
     return tokens * act * (2 * arch.hidden_size + 3 * arch.intermediate_size) + tokens * sequence * (1 + act)
 
 
-def reference_amount(arch: Architecture, act: int, count: int, prompt: int, new: int) -> Amount:
-    """Reference (and old-policy) log-probs of one micro-batch, without grad: the logits, three
-    float32 blocks of the log-softmax, and the forward's own peak."""
-    logit_elements = count * (new + 1) * arch.vocab_size
+def head_logit_elements(arch: Architecture, count: int, new: int) -> int:
+    """The logits of one chunk of log_probs.head_token_log_probs: LOGIT_CHUNK_ELEMENTS // V rows
+    of V, or all N x T scored rows where they are fewer.
+    Example: V = 151936 -> 110 rows, 16.7M elements (64 MiB in float32), whatever N x T."""
+    rows = max(1, LOGIT_CHUNK_ELEMENTS // arch.vocab_size)
+    return min(rows, count * new) * arch.vocab_size
+
+
+def reference_amount(
+    arch: Architecture, act: int, count: int, prompt: int, new: int, through_head: bool = True
+) -> Amount:
+    """Reference (and old-policy) log-probs of one micro-batch, without grad: the logits (one
+    chunk of them through the head, else [N, T+1, V]), three float32 blocks of the log-softmax,
+    and the forward's own peak."""
+    logit_elements = head_logit_elements(arch, count, new) if through_head else count * (new + 1) * arch.vocab_size
     total = act * logit_elements + 3 * min(LOGIT_BLOCK_BYTES, 4 * logit_elements)
     return Amount(
         total + forward_bytes(arch, act, count, prompt + new),
-        f"no-grad forward of {count} completions: logits, 3 blocks, 1 layer",
+        f"no-grad forward of {count} completions: {'a chunk of ' if through_head else ''}logits, 3 blocks, 1 layer",
     )
 
 

@@ -277,13 +277,15 @@ def _update_rows(
     """The frozen passes (reference, old policy) and the update: gradients, activations, backward."""
     model, trainer = cfg.model, cfg.trainer
     rows = []
+    distributed = launched_world_size() > 1
+    # log_probs.output_head: FSDP asks the model for its logits; elsewhere the head runs by chunks
+    through_head = not (distributed and trainer.distributed == "fsdp")
     if shape.uses_kl or trainer.num_iterations > 1:  # reference log-probs where the reference is; old ones here
-        reference = reference_amount(arch, shape.act, shape.micro, shape.prompt_tokens, shape.new_tokens)
+        reference = reference_amount(arch, shape.act, shape.micro, shape.prompt_tokens, shape.new_tokens, through_head)
         here = reference_here or trainer.num_iterations > 1
         rows.append(PlanRow("reference pass", reference.bytes, reference.note, "reference pass", on_device=here))
     # update.update_policy's rule, and a model that keeps its cache in a forward with gradients
-    # (gradient checkpointing drops it: update.keeps_cache)
-    distributed = launched_world_size() > 1
+    # (gradient checkpointing drops it: log_probs.keeps_cache)
     prompt_pass_group = (
         1
         if model.gradient_checkpointing
@@ -300,6 +302,7 @@ def _update_rows(
         model.lora.r,
         bool(model.gradient_checkpointing),
         prompt_pass_group,
+        through_head,
     )
     count = parameter_count(trained)
     trained_size = 4 if model.lora.enabled else shape.size
