@@ -181,9 +181,10 @@ def head_token_log_probs(
     """log softmax(head(hidden) / temperature)[token] at the scored positions, [N, T] (0 at the
     others), and the entropies (no grad) likewise, LOGIT_CHUNK_ELEMENTS logits at a time.
 
-    With gradients each chunk is checkpointed: its forward keeps only its [n, h] hidden rows,
-    and the backward recomputes its logits (under the forward's autocast) to get the gradient
-    of the hidden states and of the head's weights (a LoRA on the head included).
+    With gradients, nothing of a chunk but its [n, h] hidden rows outlives it: the backward
+    recomputes its logits to get the gradient of the hidden states and of the head's weights,
+    by _LinearHeadLogProbs for an nn.Linear head, else under torch.utils.checkpoint (which
+    replays the forward's autocast; a LoRA on the head).
     Example: V = 151936 -> chunks of 110 positions (about 64 MiB of float32 logits each)."""
     count, length = tokens.shape
     where = scored.reshape(-1).nonzero().squeeze(1)  # [M] flat indices of the scored positions
@@ -223,6 +224,12 @@ def _scatter(values: torch.Tensor | None, where: torch.Tensor, count: int, lengt
     return flat.index_copy(0, where, values).view(count, length)
 
 
+def _scaled_logits(inputs, weight, bias, compute: torch.dtype, temperature: float) -> torch.Tensor:
+    """One chunk's logits / temperature in `compute` (float32): [c, h] -> [c, V]. The forward and
+    the backward's recomputation must give the same numbers, so both call this."""
+    return torch.nn.functional.linear(inputs, weight, bias).to(compute) / temperature
+
+
 class _LinearHeadLogProbs(torch.autograd.Function):
     """log softmax(rows W^T + b) / temperature)[token] and the entropy for an nn.Linear head,
     `chunk` rows at a time, the matmuls in `dtype` (autocast's, else the weight's) and the
@@ -240,7 +247,7 @@ class _LinearHeadLogProbs(torch.autograd.Function):
         entropy = rows.new_empty(rows.shape[0], dtype=compute) if with_entropy else None
         for start in range(0, rows.shape[0], chunk):
             part = slice(start, start + chunk)
-            logits = torch.nn.functional.linear(rows[part].to(dtype), weight_in, bias_in).to(compute) / temperature
+            logits = _scaled_logits(rows[part].to(dtype), weight_in, bias_in, compute, temperature)
             normalizer = torch.logsumexp(logits, dim=-1)
             log_probs[part] = logits.gather(-1, tokens[part].unsqueeze(-1)).squeeze(-1) - normalizer
             if with_entropy:
@@ -263,7 +270,7 @@ class _LinearHeadLogProbs(torch.autograd.Function):
         for start in range(0, rows.shape[0], ctx.chunk):
             part = slice(start, start + ctx.chunk)
             inputs = rows[part].to(dtype)
-            logits = torch.nn.functional.linear(inputs, weight_in, bias_in).to(compute) / temperature
+            logits = _scaled_logits(inputs, weight_in, bias_in, compute, temperature)
             scale = grad_log_probs[part].to(compute).unsqueeze(-1) / temperature  # [c, 1]
             grad_logits = torch.softmax(logits, dim=-1).mul_(-scale).scatter_add_(-1, tokens[part].unsqueeze(-1), scale)
             if need_bias:
