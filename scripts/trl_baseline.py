@@ -16,7 +16,7 @@ load it by path. What "like for like" means, setting by setting (grpo_cli's key 
 - sampling: temperature as given, top_p=1, top_k=0 (off), no min_p, no repetition penalty
   [sampler.*], and every completion max_new_tokens long (min_new_tokens = max_new_tokens, merged
   into TRL's GenerationConfig by generation_kwargs), so both sides generate and train on the
-  same number of tokens whatever the model says;
+  same number of tokens whatever the model says (forced_length=False: both stop at EOS);
 - log-probs of softmax(logits / temperature) on both sides (TRL's fused LM head divides by the
   same temperature); the reference is a second frozen copy of the model [full fine-tune, beta>0];
 - loss: TRL's "grpo" = [trainer.loss_aggregation=sequence_mean], "dapo" = [token_mean],
@@ -57,12 +57,13 @@ def checkpointing_field() -> str:
 
 def make_trl_trainer(
     model_dir: str,
-    prompts: list[str],
+    prompts: list[str] | list[list[dict[str, str]]],
     reward_fn: RewardFn,
     *,
     group_size: int = 8,
     prompts_per_step: int = 8,
     max_new_tokens: int = 64,
+    forced_length: bool = True,
     beta: float = 0.04,
     loss_type: str = "grpo",
     temperature: float = 1.0,
@@ -76,7 +77,9 @@ def make_trl_trainer(
 ) -> GRPOTrainer:
     """A TRL GRPOTrainer configured like grpo_cli's trainer (see the module docstring).
 
-    `prompts`: plain-text prompts (no chat template), at least `prompts_per_step` of them.
+    `prompts`: at least `prompts_per_step` of them, plain text (no chat template) or
+    conversations ([{"role": "user", "content": ...}], through the tokenizer's chat template).
+    `forced_length`: every completion max_new_tokens long (min_new_tokens); False: up to EOS.
     `micro_batch_size`: completions per forward/backward (grpo_cli's trainer.micro_batch_size);
     0 = the whole generation batch at once. Either way there is one optimizer step per
     generation batch.
@@ -111,8 +114,9 @@ def make_trl_trainer(
         num_iterations=1,
         max_completion_length=max_new_tokens,
         # Merged with dict.update into the GenerationConfig TRL builds (max_new_tokens, do_sample,
-        # temperature, top_p, top_k, min_p, ...): EOS is suppressed until max_new_tokens.
-        generation_kwargs={"min_new_tokens": max_new_tokens},
+        # temperature, top_p, top_k, min_p, ...): EOS is suppressed until max_new_tokens
+        # (forced_length; else every completion stops at its EOS).
+        generation_kwargs={"min_new_tokens": max_new_tokens} if forced_length else {},
         temperature=temperature,
         top_p=1.0,
         top_k=0,  # 0 = top-k off in TRL (None would leave the model's generation default)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 
 import pytest
+import torch
 
 from helpers import load_script
 
@@ -13,7 +14,7 @@ from helpers import load_script
 @pytest.mark.slow  # about 40 s: two processes start, load their trainers and take a step each
 def test_one_step_per_side_runs_and_is_timed(tmp_path):
     bench = load_script("bench_step")
-    summary = bench.compare_steps("tiny", steps=1, warmup=0, sampler="fast", bf16=False, work=tmp_path)
+    summary = bench.compare_steps(bench.make_case("tiny"), steps=1, warmup=0, sampler="fast", bf16=False, work=tmp_path)
     for side in ("ours", "trl"):
         numbers = summary[side]
         assert numbers["median_seconds"] > numbers["median_generate_seconds"] > 0
@@ -24,7 +25,9 @@ def test_one_step_per_side_runs_and_is_timed(tmp_path):
 @pytest.mark.slow  # about 15 s: the tiny bench model, one warm-up step and one timed step
 def test_the_phase_by_phase_timing_covers_the_step_and_has_floors():
     bench = load_script("bench_step")
-    phases = dict((name, (seconds, floor)) for name, seconds, floor in bench.phase_times("tiny", repeats=1))
+    phases = dict(
+        (name, (seconds, floor)) for name, seconds, floor in bench.phase_times(bench.make_case("tiny"), repeats=1)
+    )
     assert list(phases) == ["sampling", "reference pass", "policy forward", "backward", "optimizer step"]
     assert all(seconds > 0 for seconds, _ in phases.values())
     # The backward does twice the forward's matmul work; sampling, the reference pass and the
@@ -33,7 +36,9 @@ def test_the_phase_by_phase_timing_covers_the_step_and_has_floors():
     assert phases["sampling"][1] == phases["reference pass"][1] > 0
     # --one-pass-per-completion: each prompt G times through the update passes, so their floors
     # rise above the sampler's, which still encodes each prompt once (one call, one measured rate).
-    unshared = dict((name, (seconds, floor)) for name, seconds, floor in bench.phase_times("tiny", 1, shared=False))
+    unshared = dict(
+        (name, (seconds, floor)) for name, seconds, floor in bench.phase_times(bench.make_case("tiny"), 1, shared=False)
+    )
     assert unshared["reference pass"][1] > 1.1 * unshared["sampling"][1]
 
 
@@ -46,7 +51,7 @@ def test_the_device_figures_run_on_the_cpu_and_the_mfu_counts_the_update_flops_d
     # small update's, so such a ratio is a benchmark's figure, not a property of the code.
     bench = load_script("bench_step")
     peak_tflops = 1.0  # any peak: the MFU is the update's FLOP/s over it
-    figures = bench.device_figures("tiny", "cpu", steps=1, peak_tflops=peak_tflops, dtype="float32")
+    figures = bench.device_figures(bench.make_case("tiny"), "cpu", steps=1, peak_tflops=peak_tflops, dtype="float32")
     assert all(math.isfinite(value) and value > 0 for value in figures.values()), figures
     assert figures["peak_memory_gb"] > 0.1  # the CPU's peak RSS, a loaded model and more
     assert figures["step_seconds"] > figures["update_seconds"]  # the update is a part of the step
@@ -66,3 +71,28 @@ def test_the_device_figures_run_on_the_cpu_and_the_mfu_counts_the_update_flops_d
     counted_flops = figures["update_tflops"] * 1e12 * figures["update_seconds"]  # the figures' own count
     assert counted_flops == pytest.approx(update_flops, rel=1e-9)
     assert figures["update_mfu"] == pytest.approx(figures["update_tflops"] / peak_tflops, rel=1e-9)
+
+
+@pytest.mark.slow  # about 90 s: SmolLM2-135M from its wheel in two processes, one step each
+def test_the_real_model_case_gives_both_sides_the_same_chat_prompts_and_times_every_phase(tmp_path):
+    # The real-length case at a small size: 2 GSM8K questions x G = 2, at most 8 new tokens,
+    # natural length (both sides stop at EOS). Both sides must see the same prompt tokens (the
+    # tokenizer's chat template, applied by each trainer) and report each phase of the step.
+    bench = load_script("bench_step")
+    case = bench.Case("smollm2", prompts_per_step=2, group_size=2, new_tokens=8, forced_length=False)
+    summary = bench.compare_steps(case, steps=1, warmup=0, sampler="fast", bf16=False, work=tmp_path)
+    ours, trl = summary["ours"], summary["trl"]
+    assert ours["prompt_length"] == trl["prompt_length"] > 50  # the template's system prompt + the question
+    for side in (ours, trl):
+        assert 1 <= side["mean_completion_length"] <= 8
+        phases = [side[f"median_{phase}"] for phase in bench.PHASES]
+        assert all(seconds > 0 for seconds in phases), side
+        assert side["median_seconds"] > sum(phases)  # the rest (rewards, backward, optimizer) is left
+    assert summary["rss_ratio"] == pytest.approx(ours["peak_rss_gb"] / trl["peak_rss_gb"])
+
+
+def test_completion_lengths_count_up_to_and_including_the_first_eos():
+    bench = load_script("bench_step")
+    eos = 2
+    rows = torch.tensor([[5, 2, 2, 2], [5, 6, 7, 8], [2, 9, 2, 9]])
+    assert bench.completion_lengths(rows, eos) == [2, 4, 1]
