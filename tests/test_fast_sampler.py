@@ -151,7 +151,8 @@ def test_sampling_with_packed_weights_draws_from_the_same_distribution(tiny_mode
         return drawn[len(scores[packing]) - 1]
 
     for packing in (True, False):
-        monkeypatch.setattr(packed, "packed_gemm_available", lambda packing=packing: packing)
+        # packing is the Intel CPU's path (packing_pays): forced either way, whatever this CPU is
+        monkeypatch.setattr(packed, "intel_cpu", lambda packing=packing: packing)
         torch.manual_seed(0)
         with monkeypatch.context() as patch:
             patch.setattr(fast, "draw_tokens", replaying_draw)
@@ -170,7 +171,7 @@ def test_sampling_with_packed_weights_draws_from_the_same_distribution(tiny_mode
     assert not any("forward" in vars(module) for module in models.policy.modules())
     # Under autocast the layers must cast as autocast does: nothing is packed.
     products.clear()
-    monkeypatch.setattr(packed, "packed_gemm_available", lambda: True)
+    monkeypatch.setattr(packed, "intel_cpu", lambda: True)
     make_sampler(cfg.sampler, models.tokenizer, autocast=torch.bfloat16).sample(models.policy, batch)
     assert not products
 

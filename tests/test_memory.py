@@ -308,6 +308,7 @@ def test_fast_sampling_on_a_cpu_plans_the_weights_it_packs(tiny_model_dir, lora,
     if pack_all:  # the tiny model's weights are all below the size the sampler packs
         for module in (grpo_cli.planner.memory, grpo_cli.sampling.packed):
             monkeypatch.setattr(module, "PACK_MIN_WEIGHTS", 0)
+    monkeypatch.setattr(grpo_cli.sampling.packed, "intel_cpu", lambda: True)  # packing's CPU, forced
     overrides = ("model.dtype=float32", *(LORA if lora else ()))
     plan = plan_memory(config(tiny_model_dir, *overrides), prompt_tokens=PROMPT, device="cpu")
     if packed_gemm_available():  # the weights the sampler really packs: the tied head's too
@@ -323,14 +324,19 @@ def test_fast_sampling_on_a_cpu_plans_the_weights_it_packs(tiny_model_dir, lora,
     assert on_gpu.bytes_of("sampling packed weights") == 0
 
 
-def test_a_seven_b_model_on_a_cpu_plans_its_packed_linear_weights():
-    # every decoder linear of Qwen2.5-7B and its head are above the packing size
-    plan = plan_memory(
-        seven_b_full_fine_tune("model.dtype=float32", "sampler.backend=fast"), prompt_tokens=256, device="cpu"
-    )
+def test_a_seven_b_model_on_a_cpu_plans_its_packed_linear_weights(monkeypatch):
+    import grpo_cli.sampling.packed
+
+    monkeypatch.setattr(grpo_cli.sampling.packed, "intel_cpu", lambda: True)  # packing's CPU, forced
+    # every decoder linear of Qwen2.5-7B and its head are above the packing size; packing is the
+    # float32 decode's (model.autocast=none: auto would pick bfloat16 on a CPU with its units)
+    cfg = seven_b_full_fine_tune("model.dtype=float32", "sampler.backend=fast", "model.autocast=none")
+    plan = plan_memory(cfg, prompt_tokens=256, device="cpu")
     h, i, layers, vocab = 3584, 18944, 28, 152064
     linears = layers * (h * h + 2 * h * 512 + h * h + 3 * h * i) + vocab * h  # q, k and v (4 KV heads x 128), o; MLP
     assert plan.bytes_of("sampling packed weights") == 4 * linears
+    monkeypatch.setattr(grpo_cli.sampling.packed, "intel_cpu", lambda: False)  # an AMD CPU: nothing packed
+    assert plan_memory(cfg, prompt_tokens=256, device="cpu").bytes_of("sampling packed weights") == 0
 
 
 def test_reward_model_is_counted_from_its_config_or_its_architecture(tiny_model_dir):

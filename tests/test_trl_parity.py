@@ -128,7 +128,9 @@ def rollout_and_advantages(model):
     from grpo_cli.sampling.rollouts import completion_mask
 
     name, model_dir = model
-    cfg = config(model_dir, "trainer.beta=0", "model.dtype=float32", *PROMPTS[name])
+    # model.autocast=none: float32 forwards as TRL's bf16=False (auto would pick bfloat16 for
+    # SmolLM2 on a CPU with bfloat16 units)
+    cfg = config(model_dir, "trainer.beta=0", "model.dtype=float32", "model.autocast=none", *PROMPTS[name])
     torch.manual_seed(0)
     models = load_models(cfg.model, 0.0, torch.device("cpu"))
     tokenizer = models.tokenizer
@@ -168,6 +170,7 @@ def _ours(model, rollout, advantages, aggregation: str, micro_batch_size: int):
         "trainer.kl_importance_correction=false",
         "trainer.clip_eps=0.2",
         "model.dtype=float32",
+        "model.autocast=none",
         "optimizer.max_grad_norm=0",
     )
     models = load_models(cfg.model, BETA, torch.device("cpu"))

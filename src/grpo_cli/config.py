@@ -88,11 +88,13 @@ class ModelConfig:
     reference_device: str = "same"
     """Where a full fine-tune's frozen reference lives: same (the policy's device) | cpu | cuda |
     cuda:N. It only runs forward, so it can sit on the CPU (slower) to free device memory."""
-    autocast: str = "none"
-    """none | bfloat16 | auto: run the forward passes (sampling, log-probs) under torch.autocast in
+    autocast: str = "auto"
+    """auto | none | bfloat16: run the forward passes (sampling, log-probs) under torch.autocast in
     bfloat16, keeping the weights, gradients and optimizer states in model.dtype (float32):
     mixed precision, for CPUs with fast bfloat16 matmuls (docs/BENCHMARKS.md). auto: bfloat16 on
-    a CPU with avx512_bf16 or AMX, else none (elsewhere bfloat16 is emulated: 3-100x slower)."""
+    a CPU with avx512_bf16 or AMX for a model of at least 10M parameters, else none (elsewhere
+    bfloat16 is emulated, 3-100x slower; on smaller models the casts outweigh the gain). The run's
+    first lines say what it picked."""
     attn_implementation: str = "sdpa"
     """sdpa | eager | flash_attention_2 (needs the flash-attn package and a CUDA GPU). Passed to
     from_pretrained; the memory planner counts sdpa's activations."""

@@ -114,6 +114,8 @@ def train(cfg: Any, world: World) -> RunResult:
     train_rows, eval_rows = train_and_eval_rows(cfg.data)
     check_memory(cfg, device, train_rows + eval_rows, output_dir, world)  # stops here if it will not fit
     parts = load_parts(cfg, scorer, train_rows, device, world, resume_from, eval_rows)
+    if world.is_main:
+        print(parts.models.precision, flush=True)
     with contextlib.closing(parts.sampler):  # sampler=vllm: the engine goes at any end
         return train_parts(cfg, parts, eval_rows, output_dir, resume_from, world)
 

@@ -34,6 +34,7 @@ class Models:
     uses_kl: bool  # beta > 0
     ddp: Optional[torch.nn.Module] = None  # the policy's DDP wrapper under torchrun (distributed.py)
     autocast_dtype: Optional[torch.dtype] = None  # model.autocast: forward passes in this dtype
+    precision: str = ""  # one line for the run's first lines: the weights' dtype, the autocast, and why
 
     def autocast(self):
         """The context for a forward pass: torch.autocast under model.autocast, else nothing."""
@@ -257,8 +258,18 @@ def load_models(cfg: ModelConfig, beta: float, device: torch.device, checkpoint:
         reference_device = device if cfg.reference_device.lower() == "same" else resolve_device(cfg.reference_device)
         reference = _from_pretrained(base_path, cfg, dtype, reference_device)
         reference.eval().requires_grad_(False)
-    autocast = torch.bfloat16 if resolve_autocast(cfg.autocast, device.type) == "bfloat16" else None
-    return Models(policy, reference, tokenizer, device, base_path, uses_kl=beta > 0, autocast_dtype=autocast)
+    parameters = sum(parameter.numel() for parameter in policy.parameters())
+    autocast = resolve_autocast(cfg.autocast, device.type, parameters)
+    return Models(
+        policy,
+        reference,
+        tokenizer,
+        device,
+        base_path,
+        uses_kl=beta > 0,
+        autocast_dtype=torch.bfloat16 if autocast == "bfloat16" else None,
+        precision=precision_line(cfg.autocast, autocast, dtype, device.type, parameters),
+    )
 
 
 def cpu_has_fast_bfloat16() -> bool:
@@ -268,12 +279,44 @@ def cpu_has_fast_bfloat16() -> bool:
     return torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
 
 
-def resolve_autocast(autocast: str, device_type: str) -> str:
-    """model.autocast=auto -> bfloat16 on a CPU with fast bfloat16 matmuls, else none (on a GPU,
-    model.dtype=auto already gives bfloat16 weights). Other values are returned as they are."""
+# model.autocast=auto: bfloat16 autocast pays only where matmuls dominate the step. On the
+# tiny default (0.6M parameters) it made steps slower (per-op casts outweigh the smaller
+# matmuls) and learned no better; on SmolLM2-135M it makes the step 1.5x faster
+# (docs/BENCHMARKS.md, "bf16 by default where it pays").
+AUTO_BFLOAT16_MIN_PARAMETERS = 10_000_000
+
+
+def resolve_autocast(autocast: str, device_type: str, parameters: int) -> str:
+    """model.autocast=auto -> bfloat16 on a CPU with fast bfloat16 matmuls for a model of at
+    least AUTO_BFLOAT16_MIN_PARAMETERS parameters, else none (on a GPU, model.dtype=auto already
+    gives bfloat16 weights). Other values are returned as they are."""
+    autocast = str(autocast).lower()
     if autocast != "auto":
         return autocast
-    return "bfloat16" if device_type == "cpu" and cpu_has_fast_bfloat16() else "none"
+    fits = device_type == "cpu" and cpu_has_fast_bfloat16() and parameters >= AUTO_BFLOAT16_MIN_PARAMETERS
+    return "bfloat16" if fits else "none"
+
+
+def precision_line(setting: str, autocast: str, dtype: torch.dtype, device_type: str, parameters: int) -> str:
+    """What the run computes in, and why: 'Precision: float32 weights, forward passes in bfloat16
+    autocast (model.autocast=auto: a CPU with bfloat16 matmul units, 134.5M parameters)'."""
+    weights = str(dtype).removeprefix("torch.")
+    forwards = "forward passes in bfloat16 autocast" if autocast == "bfloat16" else f"forward passes in {weights}"
+    why = ""
+    if str(setting).lower() == "auto":
+        if device_type != "cpu":
+            why = f"not on {device_type}: model.dtype sets the precision there"
+        elif not cpu_has_fast_bfloat16():
+            why = "this CPU has no bfloat16 matmul units (avx512_bf16, AMX): bfloat16 would be emulated"
+        elif autocast == "bfloat16":
+            why = f"this CPU has bfloat16 matmul units; {parameters / 1e6:.1f}M parameters"
+        else:
+            why = (
+                f"{parameters / 1e6:.1f}M parameters, under the {AUTO_BFLOAT16_MIN_PARAMETERS / 1e6:.0f}M "
+                "where bfloat16 pays"
+            )
+        why = f" (model.autocast=auto: {why})"
+    return f"Precision: {weights} weights, {forwards}{why}"
 
 
 def fix_special_tokens(tokenizer, name_or_path: str) -> None:

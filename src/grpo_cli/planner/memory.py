@@ -243,7 +243,7 @@ def _vllm_rows(cfg: Any, arch: Architecture, shape: StepShape, assumptions: list
     settings = cfg.sampler.vllm
     dtype = str(settings.dtype).lower()
     if dtype == "auto":  # what the trainer's forward passes run in (sampling.vllm.engine_dtype)
-        autocast = resolve_autocast(str(cfg.model.autocast).lower(), shape.device)
+        autocast = resolve_autocast(cfg.model.autocast, shape.device, parameter_count(model_weights(arch)))
         dtype = "bfloat16" if autocast == "bfloat16" else shape.dtype
     size, count = DTYPE_BYTES[dtype], parameter_count(model_weights(arch))
     note = f"{count:,} params x {size} B ({dtype}): the engine's own copy, unquantized, any adapter merged"
@@ -313,16 +313,18 @@ def _update_rows(
 def packed_linear_weights(
     cfg: Any, arch: Architecture, device: str, dtype: str, adapter: Sequence[Weight]
 ) -> Optional[Amount]:
-    """sampler=fast on a CPU in float32 (no autocast) decodes with a packed copy of the float32
+    """sampler=fast on an Intel CPU in float32 (no autocast) decodes with a packed copy of the float32
     linear weights of at least PACK_MIN_WEIGHTS elements (sampling/fast.py, PackedLinears): the
     decoder's unless quantized, the head's, the adapter's. None where nothing is packed."""
     from grpo_cli.models.loading import resolve_autocast
+    from grpo_cli.sampling.packed import packing_pays
 
     if (
         device != "cpu"
+        or not packing_pays()
         or dtype != "float32"
         or str(cfg.sampler.backend).lower() != "fast"
-        or resolve_autocast(str(cfg.model.autocast).lower(), device) != "none"
+        or resolve_autocast(cfg.model.autocast, device, parameter_count(model_weights(arch))) != "none"
     ):
         return None
     linears = [Weight("lm_head.weight", arch.vocab_size, arch.hidden_size, 1, False), *adapter]

@@ -9,8 +9,8 @@ as transformers' `generate` (`sampler=hf`), with less work per token:
 - a token is drawn with a few tensor operations: min_new_tokens, temperature, top-k, top-p,
   as generate's processors do them and in their order, without its per-step machinery;
 - each token runs through the decoder's layers directly, with the attention mask made once
-  (the model's forward rebuilds it at every token), where the model allows it; there, on a
-  CPU, float32 linear layers multiply by weights packed once per decode (PackedLinears);
+  (the model's forward rebuilds it at every token), where the model allows it; there, on an
+  Intel CPU, float32 linear layers multiply by weights packed once per decode (PackedLinears);
 - the loop runs under inference mode (no-grad mode under FSDP) and stops as soon as every
   completion has ended.
 
@@ -29,7 +29,7 @@ from grpo_cli.config import SamplerConfig
 from grpo_cli.models.loading import autocast_to
 from grpo_cli.models.transformers_api import returned_cache, with_cache
 from grpo_cli.records import PromptBatch, Rollout
-from grpo_cli.sampling.packed import PackedLinears
+from grpo_cli.sampling.packed import PackedLinears, packing_pays
 from grpo_cli.sampling.rollouts import rollout_from
 
 
@@ -262,7 +262,8 @@ class FastSampler:
                 )  # [N, P + T]
                 one_token = one_token_forward(policy, attention, cache, direct)
                 # not under autocast: the packed GEMM would run in float32 where autocast casts
-                packed = PackedLinears(policy, count) if direct and self.autocast is None else contextlib.nullcontext()
+                packs = direct and self.autocast is None and packing_pays()
+                packed = PackedLinears(policy, count) if packs else contextlib.nullcontext()
                 next_position = positions[:, -1:].repeat_interleave(copies, dim=0) + 1  # [N, 1]
                 completions = torch.full((count, cfg.max_new_tokens), pad, dtype=torch.long, device=device)
                 running = torch.ones(count, dtype=torch.bool, device=device)
