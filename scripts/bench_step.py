@@ -582,8 +582,7 @@ def step_forward_flops(policy, rollout, shared: bool = True) -> float:
     left out). Tokens: each prompt once (sampling and the shared update passes), then every
     completion token but the last (it is scored, never fed); `shared` False: each prompt once
     per completion, and every completion token."""
-    config = policy.config
-    decoder = sum(p.numel() for name, p in policy.named_parameters() if ".layers." in name)
+    config, decoder = policy.config, decoder_weights(policy)
     completions, scored = rollout.completion_mask.shape[0], float(rollout.completion_mask.sum())
     if shared:
         tokens = float(rollout.prompt_mask[:: rollout.group_size].sum()) + scored - completions
@@ -642,7 +641,8 @@ def phase_times(case: Case, repeats: int, shared: bool = True, bf16: bool = Fals
     seconds)]. The floor is the phase's matmul work (2 x weights x useful tokens through the
     decoder and the head, twice that for the backward; attention left out) at the rate this
     machine reaches on a large matmul of the model's MLP shape, in float32 (bfloat16 with
-    `bf16`)."""
+    `bf16`); for the decode steps of sampling, at the rate of a matmul with the decode's rows
+    (B x G) streaming weights from memory (decode_matmul_rate), the most a decode step can do."""
     import torch
 
     from grpo_cli.algorithm.log_probs import completion_log_probs
@@ -682,15 +682,42 @@ def phase_times(case: Case, repeats: int, shared: bool = True, bf16: bool = Fals
         for name, start, end in zip(times, marks, marks[1:]):
             times[name].append(end - start)
         sampling = step_forward_flops(policy, rollout)  # the sampler encodes each prompt once
+        prompts = 2 * decoder_weights(policy) * float(rollout.prompt_mask[:: rollout.group_size].sum())
         forward = step_forward_flops(policy, rollout, shared)
-        for name, flops in zip(PHASE_NAMES, (sampling, forward, forward, 2 * forward, 0)):
+        for name, flops in zip(PHASE_NAMES, ((prompts, sampling - prompts), forward, forward, 2 * forward, 0)):
             floors[name].append(flops)
 
-    config = policy.config
-    rate = matmul_rate(4096, config.hidden_size, config.intermediate_size, dtype="bfloat16" if bf16 else "float32")
-    return [
-        (name, statistics.median(times[name]), statistics.median(floors[name]) / (rate * 1e9)) for name in PHASE_NAMES
-    ]
+    config, dtype = policy.config, "bfloat16" if bf16 else "float32"
+    rate = matmul_rate(4096, config.hidden_size, config.intermediate_size, dtype=dtype) * 1e9
+    decode_rate = decode_matmul_rate(case.completions, config.hidden_size, config.intermediate_size, dtype) * 1e9
+    floors["sampling"] = [prompt / rate + decode / decode_rate for prompt, decode in floors["sampling"]]
+    for name in PHASE_NAMES[1:]:
+        floors[name] = [flops / rate for flops in floors[name]]
+    return [(name, statistics.median(times[name]), statistics.median(floors[name])) for name in PHASE_NAMES]
+
+
+def decoder_weights(policy) -> int:
+    return sum(p.numel() for name, p in policy.named_parameters() if ".layers." in name)
+
+
+def decode_matmul_rate(rows: int, inner: int, outer: int, dtype: str = "float32", megabytes: int = 512) -> float:
+    """Median GFLOP/s of [rows, inner] x [inner, outer] matmuls, each on another weight of
+    `megabytes` in all (far more than the caches hold): a decode step's products, which read
+    every weight from memory for a few rows. At 16 rows on the 2-core EPYC: float32 64 GFLOP/s
+    (8 GB/s of weights), a third of a large matmul's rate."""
+    import torch
+
+    size = torch.tensor([], dtype=getattr(torch, dtype)).element_size()
+    count = max(1, megabytes * 2**20 // (inner * outer * size))
+    weights = [torch.randn(outer, inner).to(getattr(torch, dtype)) for _ in range(count)]
+    inputs = torch.randn(rows, inner).to(getattr(torch, dtype))
+    times = []
+    for _ in range(4):
+        started = time.perf_counter()
+        for weight in weights:
+            torch.nn.functional.linear(inputs, weight)
+        times.append(time.perf_counter() - started)
+    return 2 * rows * inner * outer * count / statistics.median(times[1:]) / 1e9
 
 
 def profile_step(case: Case, rows: int = 15) -> str:
