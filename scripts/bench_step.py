@@ -364,16 +364,7 @@ class TrlSide:
         self.sampled: dict[str, float] = {}
         self.time_generate(self.trainer.model, self.trainer.processing_class.eos_token_id)
         trainer = self.trainer
-        self.passes = PassTimer(
-            trainer._get_per_token_logps_and_entropies,
-            lambda model, *_, **__: (
-                "reference_seconds"
-                if model is trainer.ref_model
-                else "policy_forward_seconds"
-                if torch.is_grad_enabled()
-                else "old_policy_seconds"
-            ),
-        )
+        self.passes = PassTimer(trainer._get_per_token_logps_and_entropies, self.pass_kind)
         trainer._get_per_token_logps_and_entropies = self.passes
         side = self
 
@@ -392,6 +383,15 @@ class TrlSide:
         self.trainer.add_callback(Turns())
         self.thread = threading.Thread(target=self.trainer.train, daemon=True)
         self.thread.start()
+
+    def pass_kind(self, model, *_, **__) -> str:
+        """TRL's log-prob calls: on its reference model the reference pass; on the policy with
+        gradients the policy's forward, without them the old policy's."""
+        import torch
+
+        if model is self.trainer.ref_model:
+            return "reference_seconds"
+        return "policy_forward_seconds" if torch.is_grad_enabled() else "old_policy_seconds"
 
     def time_generate(self, model, eos: int) -> None:
         """model.generate, timed, its completion tokens counted up to each row's first EOS."""
