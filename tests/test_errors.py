@@ -226,6 +226,15 @@ def test_a_reward_returning_the_wrong_length_stops_the_run(tmp_path, tiny_model_
             "trainer.micro_batch_size=4 must divide the completions per step, "
             "data.prompts_per_step x sampler.group_size = 6",
         ),
+        (["trainer.micro_batch_tokens=-1"], "trainer.micro_batch_tokens=-1 must be 0 (off) or a token budget"),
+        (
+            ["trainer.micro_batch_tokens=512", "trainer.micro_batch_size=4"],
+            "micro-batches are sized by tokens or by completions, not both",
+        ),
+        (
+            ["trainer.micro_batch_tokens=512", "trainer.distributed=fsdp"],
+            "trainer.micro_batch_tokens with trainer.distributed=fsdp: ranks would run different numbers",
+        ),
         (["model.quantization=4bit"], "model.quantization=4bit needs model.lora.enabled=true"),
         (["model.dtype=float16"], "model.dtype=float16 with a full fine-tune (model.lora.enabled=false)"),
         (["model.attn_implementation=flex"], "model.attn_implementation='flex' is not one of sdpa, eager"),

@@ -512,3 +512,18 @@ def test_planned_step_memory_of_the_real_model_is_within_30_percent_of_the_peak_
     assert [phase for phase, _, _ in measured] == ["update"]
     for phase, rise, planned in measured:
         assert 0.7 < planned / rise < 1.3, (phase, rise / 1e6, planned / 1e6)
+
+
+def test_a_token_budget_is_planned_as_the_micro_batch_it_lets_in_at_full_length():
+    # math_7b at 256 prompt + 512 new tokens, G = 8: a group costs 256 + 8 x 512 = 4352 tokens,
+    # so that budget lets in one whole group (the plan of micro_batch_size=8); one token less
+    # lets in 4351 // 768 = 5 single completions, each with its own prompt pass.
+    def peak(*overrides):
+        return plan_memory(seven_b_full_fine_tune(*overrides), prompt_tokens=256, device="cuda").peak_bytes
+
+    assert peak("trainer.micro_batch_size=0", "trainer.micro_batch_tokens=4352") == peak("trainer.micro_batch_size=8")
+    assert peak("trainer.micro_batch_size=0", "trainer.micro_batch_tokens=4351") == peak("trainer.micro_batch_size=5")
+    assert peak("trainer.micro_batch_size=0", "trainer.micro_batch_tokens=100") == peak("trainer.micro_batch_size=1")
+    cfg = seven_b_full_fine_tune("trainer.micro_batch_size=0", "trainer.micro_batch_tokens=8704")
+    fixes = cheapest_fixes(cfg, plan_memory(cfg, prompt_tokens=256, device="cuda"), int(80 * GB))
+    assert "micro_batch_tokens 8704 -> 4352" in [fix.change for fix in fixes]

@@ -299,3 +299,52 @@ def test_the_prompt_pass_is_shared_by_whole_groups_in_one_process():
     assert shared_prompt_pass_group(True, 4, 8, False) == 1  # half a group
     assert shared_prompt_pass_group(True, 16, 8, True) == 1  # torchrun: one forward per backward
     assert shared_prompt_pass_group(False, 16, 8, False) == 1  # trainer.share_prompt_pass=false
+
+
+def test_a_token_budget_packs_whole_groups_and_splits_a_group_over_it():
+    from grpo_cli.algorithm.update import token_budget_rows
+
+    def cuts(completions, budget, group_size=2):
+        prompts = torch.full((len(completions),), 10)
+        rows = token_budget_rows(prompts, torch.tensor(completions), group_size, budget)
+        return [(members.tolist(), group) for members, group in rows]
+
+    # group (0, 1) costs 10 + 2 x 50 = 110 tokens, group (2, 3) 10 + 2 x 40 = 90, both 220
+    assert cuts([50, 5, 40, 5], 1000) == [([0, 1, 2, 3], 2)]
+    assert cuts([50, 5, 40, 5], 130) == [([0, 1], 2), ([2, 3], 2)]
+    # group (0, 1) over 100: its rows run apart (2 x (10 + 50) = 120 together), one prompt pass each
+    assert cuts([50, 5, 40, 5], 100) == [([2, 3], 2), ([0], 1), ([1], 1)]
+    # longest first: the two short groups share a micro-batch (2 x 10 + 4 x 8 = 52 tokens)
+    assert cuts([8, 2, 60, 60, 3, 8], 140) == [([2, 3], 2), ([0, 1, 4, 5], 2)]
+    assert cuts([200, 5], 100) == [([0], 1), ([1], 1)]  # a completion over the budget runs alone
+    # no shared pass, each row its own prompt: rows 0 and 2 take 2 x 10 + 2 x 50 = 120 tokens
+    assert cuts([50, 5, 40, 5], 130, group_size=1) == [([0, 2], 1), ([1, 3], 1)]
+
+
+def test_micro_batches_by_a_token_budget_give_the_whole_steps_gradient(tiny_model_dir, monkeypatch):
+    # Completions of 1, 3, 8, 2 | 5, 4, 2, 6 tokens (with EOS; the 8 truncated): a budget of the
+    # prompt + 4 x 6 tokens takes the second group whole, with its one prompt pass, and splits the
+    # first into its rows. The loss, KL, entropy and gradient are those of the step in one piece.
+    import grpo_cli.algorithm.update as update
+
+    passes = []
+
+    def counted(model, prompt_ids, prompt_mask, completion_ids, mask, *rest):
+        passes.append((prompt_ids.shape[0], completion_ids.shape[1], rest[-1]))  # rows, width, prompt_pass_group
+        return completion_log_probs(model, prompt_ids, prompt_mask, completion_ids, mask, *rest)
+
+    monkeypatch.setattr(update, "completion_log_probs", counted)
+    edit = end_completions_after(tiny_model_dir, [0, 2, 8, 1, 4, 3, 1, 5])
+    settings = ("trainer.beta=0.04", "sampler.max_new_tokens=8")
+    whole = one_step(config(tiny_model_dir, *settings), edit)
+    prompt = int(whole.rollout.prompt_mask.sum(dim=1).max())
+    passes.clear()
+    budget = prompt + 4 * 6
+    by_tokens = one_step(config(tiny_model_dir, *settings, f"trainer.micro_batch_tokens={budget}"), edit)
+    policy_passes = passes[len(passes) // 2 :]  # the reference's first, then the policy's
+    assert policy_passes[0] == (4, 6, 4)  # the second group, one prompt pass
+    assert len(policy_passes) > 1 and all(group == 1 for *_, group in policy_passes[1:])
+    assert sum(rows for rows, *_ in policy_passes) == 8
+    assert all(rows * (prompt + width) <= budget or rows == 1 for rows, width, _ in policy_passes[1:])
+    for key in ("loss", "kl", "entropy", "grad_norm"):
+        assert getattr(by_tokens.stats, key) == pytest.approx(getattr(whole.stats, key), rel=1e-4, abs=1e-6), key

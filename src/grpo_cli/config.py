@@ -269,6 +269,12 @@ class TrainerConfig:
     """mu: optimizer passes over each generation batch (old log-probs are computed once, before)."""
     micro_batch_size: int = 0
     """Completions per forward/backward pass (gradient accumulation); 0 = the whole step at once."""
+    micro_batch_tokens: int = 0
+    """Size micro-batches by tokens instead (verl's ppo_max_token_len_per_gpu, OpenRLHF's
+    max_tokens_per_gpu): at most this many tokens per forward/backward, counted on the padded
+    rectangle it runs (each shared prompt once per group). Groups of similar length go
+    together; a group over the budget is split into completions; one completion over it runs
+    alone. 0 = off; exclusive with micro_batch_size. The same gradient as any micro-batching."""
     share_prompt_pass: bool = True
     """Run each prompt through the model once for its G completions in the update and reference
     passes (its keys and values shared by the group), where every micro-batch holds whole

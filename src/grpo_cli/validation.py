@@ -121,6 +121,23 @@ def _batch_problems(cfg: Any, ranks: int) -> list[str]:
             f"step{per_rank}, data.prompts_per_step x sampler.group_size{' / processes' if ranks > 1 else ''} "
             f"= {completions} (or be 0 for all at once)."
         )
+    if trainer.micro_batch_tokens < 0:
+        problems.append(
+            f"trainer.micro_batch_tokens={trainer.micro_batch_tokens} must be 0 (off) or a token budget per "
+            "forward/backward pass, such as 8192."
+        )
+    if trainer.micro_batch_tokens > 0 and trainer.micro_batch_size > 0:
+        problems.append(
+            f"trainer.micro_batch_tokens={trainer.micro_batch_tokens} with trainer.micro_batch_size="
+            f"{trainer.micro_batch_size}: micro-batches are sized by tokens or by completions, not both. "
+            "Set one of them to 0."
+        )
+    if trainer.micro_batch_tokens > 0 and trainer.distributed == "fsdp":
+        problems.append(
+            "trainer.micro_batch_tokens with trainer.distributed=fsdp: ranks would run different numbers "
+            "of forward passes, and sharded ranks gather weights together. Use trainer.micro_batch_size, "
+            "or trainer.distributed=ddp."
+        )
     return problems
 
 

@@ -48,10 +48,11 @@ class MicroBatch(NamedTuple):
     loss_mask: torch.Tensor  # [n, t] the tokens in the loss (mask, less truncated completions under mask_truncated)
     advantages: torch.Tensor  # [n]
     sampler_log_probs: torch.Tensor | None  # [n, t] the sampler's own log-probs (Rollout.sampler_log_probs)
+    prompt_pass_group: int = 1  # G where one prompt pass serves each group of G rows (whole groups), else 1
 
 
 def micro_batch(
-    rows: slice,
+    rows: slice | torch.Tensor,
     prompt_ids: torch.Tensor,
     prompt_mask: torch.Tensor,
     completion_ids: torch.Tensor,
@@ -59,10 +60,11 @@ def micro_batch(
     loss_mask: torch.Tensor,
     advantages: torch.Tensor,
     sampler_log_probs: torch.Tensor | None = None,
+    prompt_pass_group: int = 1,
 ) -> MicroBatch:
-    """MicroBatch of `rows` ([N, P] prompts, left-padded; [N, T] completions). Example: prompts
-    [[0, 0, 5], [0, 6, 7]] keep their last two columns; completion masks [[1, 0, 0], [1, 1, 0]]
-    their first two."""
+    """MicroBatch of `rows` (a slice or row indices; [N, P] prompts, left-padded; [N, T]
+    completions). Example: prompts [[0, 0, 5], [0, 6, 7]] keep their last two columns;
+    completion masks [[1, 0, 0], [1, 1, 0]] their first two."""
     used = prompt_mask[rows].any(dim=0)  # [P]
     first = int(used.to(torch.uint8).argmax()) if bool(used.any()) else 0
     width = max(int(mask[rows].sum(dim=1).max()), 1)  # the mask runs from position 0 to the EOS
@@ -74,6 +76,7 @@ def micro_batch(
         loss_mask[rows, :width],
         advantages[rows],
         None if sampler_log_probs is None else sampler_log_probs[rows, :width],
+        prompt_pass_group,
     )
 
 
@@ -201,20 +204,20 @@ def update_policy(
     coefficient in force this step."""
     device, policy = models.device, models.policy
     trained = models.ddp or policy  # the loss goes through DDP's wrapper when there is one: it syncs gradients
-    batches, denominators = micro_batches(rollout, advantages, trainer, device, world)
+    micro = trainer.micro_batch_size or rollout.completion_ids.shape[0]  # whole groups under micro_batch_tokens
+    group = shared_prompt_pass_group(trainer.share_prompt_pass, micro, rollout.group_size, world.enabled)
+    batches, denominators = micro_batches(rollout, advantages, trainer, device, world, group)
     if denominators.tokens == 0:  # every completion left out (mask_truncated): nothing to learn from
         return UpdateStats.nothing_trained(trainer.num_iterations)
     settings = loss_settings(trainer, beta)
     rank_scale = world.world_size  # DDP / FSDP average the ranks' gradients; the shares must add up
-    micro = trainer.micro_batch_size or rollout.completion_ids.shape[0]
-    group = shared_prompt_pass_group(trainer.share_prompt_pass, micro, rollout.group_size, world.enabled)
 
     def log_probs_of(model, batch: MicroBatch, with_entropy=False):  # the policy, its DDP wrapper, or the reference
         here = next(model.parameters()).device  # a full fine-tune's reference may sit on the CPU
         ids = (batch.prompt_ids, batch.prompt_mask, batch.completion_ids, batch.mask)
         with models.autocast():  # the forward only: the backward runs in the dtypes it chose
             log_probs, entropy = completion_log_probs(
-                model, *(tensor.to(here) for tensor in ids), rollout.temperature, with_entropy, group
+                model, *(tensor.to(here) for tensor in ids), rollout.temperature, with_entropy, batch.prompt_pass_group
             )
         return log_probs.to(device), entropy
 
@@ -306,12 +309,18 @@ def clip_and_step(
 
 
 def micro_batches(
-    rollout: Rollout, advantages: Advantages, trainer: TrainerConfig, device: torch.device, world: World
+    rollout: Rollout,
+    advantages: Advantages,
+    trainer: TrainerConfig,
+    device: torch.device,
+    world: World,
+    prompt_pass_group: int = 1,
 ) -> tuple[list[MicroBatch], LossDenominators]:
-    """The rollout cut into micro-batches of trainer.micro_batch_size rows (all at once for 0) on
-    `device`, with the loss mask (less truncated completions under trainer.mask_truncated), and
-    the loss denominators of the whole step, over all ranks: each rank's loss is then its share
-    of the step's loss."""
+    """The rollout cut into micro-batches on `device`, of trainer.micro_batch_size rows (all at
+    once for 0) or by trainer.micro_batch_tokens (token_budget_rows; `prompt_pass_group` G where
+    one prompt pass serves each group), with the loss mask (less truncated completions under
+    trainer.mask_truncated), and the loss denominators of the whole step, over all ranks: each
+    rank's loss is then its share of the step's loss."""
     prompt_ids, prompt_mask = rollout.prompt_ids.to(device), rollout.prompt_mask.to(device)
     completion_ids, mask = rollout.completion_ids.to(device), rollout.completion_mask.to(device)
     loss_mask = mask
@@ -321,21 +330,72 @@ def micro_batches(
     sampler_log_probs = None if rollout.sampler_log_probs is None else rollout.sampler_log_probs.to(device)
     count = completion_ids.shape[0]
     size = trainer.micro_batch_size or count
-    batches = [
-        micro_batch(
-            slice(start, start + size),
-            prompt_ids,
-            prompt_mask,
-            completion_ids,
-            mask,
-            loss_mask,
-            advantage_values,
-            sampler_log_probs,
-        )
-        for start in range(0, count, size)
+    cuts: list[tuple[slice | torch.Tensor, int]] = [
+        (slice(start, start + size), prompt_pass_group) for start in range(0, count, size)
     ]
+    if trainer.micro_batch_tokens > 0:
+        lengths = (prompt_mask.sum(dim=1).cpu(), mask.sum(dim=1).cpu())
+        cuts = token_budget_rows(*lengths, prompt_pass_group, trainer.micro_batch_tokens)
+    tensors = (prompt_ids, prompt_mask, completion_ids, mask, loss_mask, advantage_values, sampler_log_probs)
+    batches = [micro_batch(rows, *tensors, group) for rows, group in cuts]
     # The sampler pads every completion to max_new_tokens, so T is Dr. GRPO's constant.
     sequences, tokens = sum_over_ranks([count, float(loss_mask.sum())], world)
     return batches, LossDenominators(
         sequences=int(sequences), tokens=int(tokens), max_new_tokens=completion_ids.shape[1]
     )
+
+
+def token_budget_rows(
+    prompt_lengths: torch.Tensor,  # [N] real prompt tokens of each row
+    completion_lengths: torch.Tensor,  # [N] completion tokens up to and including EOS
+    group_size: int,
+    budget: int,
+) -> list[tuple[torch.Tensor, int]]:
+    """(row indices, prompt_pass_group) of each micro-batch under `budget` tokens a forward, counted on
+    the rectangle micro_batch cuts out: rows x the longest completion, plus the longest prompt
+    once per group where one prompt pass serves each group of `group_size` rows (1: once per
+    row). Whole groups, longest first, fill a micro-batch while it stays within the budget; a
+    group over the budget on its own is split into its rows, which fill micro-batches of their
+    own the same way (mixed with whole groups they would cost the groups their shared pass); a
+    row over the budget runs alone. Sorting by length keeps each rectangle's padding small, as
+    verl's dynamic batch size does by balancing lengths.
+
+    Example: prompts of 10 tokens, completions [50, 5, 40, 5] by row, group_size 2, budget 130:
+    group (0, 1) costs 10 + 2 x 50 = 110, group (2, 3) 10 + 2 x 40 = 90, both together
+    2 x 10 + 4 x 50 = 220: two micro-batches, rows [0, 1] and [2, 3], each with its shared
+    prompt pass (group 2). Budget 100: group (2, 3) still fits; group (0, 1) does not, and its
+    rows, 60 and 15 tokens apart, 2 x (10 + 50) = 120 together, run one by one (group 1).
+    """
+    rows = prompt_lengths.shape[0]
+    width = completion_lengths.clamp(min=1)  # micro_batch keeps at least one completion column
+    if rows % group_size:  # not a rollout's layout: every row on its own
+        group_size = 1
+
+    def cost(members: list[int], prompt_passes: int) -> int:
+        return int(prompt_lengths[members].max()) * prompt_passes + int(width[members].max()) * len(members)
+
+    groups = [list(range(start, start + group_size)) for start in range(0, rows, group_size)]
+    whole = [group for group in groups if cost(group, 1) <= budget]
+    split = [[row] for group in groups if cost(group, 1) > budget for row in group]
+    shared = group_size > 1  # whole groups: one prompt pass each; single rows: one pass per row
+    batches = [
+        (members, group_size)
+        for members in _fill(whole, budget, lambda members, pieces: cost(members, pieces if shared else len(members)))
+    ]
+    batches += [(members, 1) for members in _fill(split, budget, lambda members, pieces: cost(members, len(members)))]
+    return [(torch.tensor(members, dtype=torch.long), group) for members, group in batches]
+
+
+def _fill(pieces: list[list[int]], budget: int, cost) -> list[list[int]]:
+    """Pieces (lists of rows) sorted by their cost alone, longest first, packed in turn into
+    micro-batches while cost(rows, pieces in it) stays within `budget`."""
+    pieces = sorted(pieces, key=lambda piece: -cost(piece, 1))
+    batches: list[list[int]] = []
+    current: list[int] = []
+    count = 0
+    for piece in pieces:
+        if current and cost(current + piece, count + 1) > budget:
+            batches.append(current)
+            current, count = [], 0
+        current, count = current + piece, count + 1
+    return batches + [current] if current else batches

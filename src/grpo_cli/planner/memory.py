@@ -189,10 +189,27 @@ def _step_shape(cfg: Any, arch: Architecture, device: str, prompt_tokens: Option
         new_tokens=new,
         group=group,
         completions=completions,
-        micro=cfg.trainer.micro_batch_size or completions,
+        micro=_planned_micro(cfg.trainer, prompt_tokens, new, group, completions),
         uses_kl=beta_schedule(cfg.trainer.beta).peak > 0,
     )
     return shape, assumptions
+
+
+def _planned_micro(trainer: Any, prompt_tokens: int, new_tokens: int, group: int, completions: int) -> int:
+    """Completions in the largest micro-batch: trainer.micro_batch_size, or what
+    trainer.micro_batch_tokens lets in when every completion runs to max_new_tokens
+    (update.token_budget_rows: whole groups with one prompt pass each while one fits, else single
+    rows), or the whole step.
+
+    Example: budget 4096, prompts of 128, 256 new tokens, G = 8, 32 completions: a group costs
+    128 + 8 x 256 = 2176 tokens, one fits: 8 completions.
+    """
+    if trainer.micro_batch_size > 0 or trainer.micro_batch_tokens <= 0:
+        return trainer.micro_batch_size or completions
+    budget = trainer.micro_batch_tokens
+    groups = budget // (prompt_tokens + group * new_tokens) if trainer.share_prompt_pass else 0
+    rows = groups * group if groups else budget // (prompt_tokens + new_tokens)
+    return max(1, min(rows, completions))
 
 
 def _held_rows(cfg: Any, arch: Architecture, shape: StepShape):
@@ -476,7 +493,17 @@ def _candidate_fixes(cfg: Any, plan: MemoryPlan) -> list[tuple[str, tuple[str, .
     completions = cfg.data.prompts_per_step * cfg.sampler.group_size
     micro = trainer.micro_batch_size or completions
     smaller = max((size for size in range(1, micro // 2 + 1) if completions % size == 0), default=None)
-    if smaller and not cfg.sampler.adaptive.enabled:
+    if trainer.micro_batch_tokens > 0:  # halve the budget: micro_batch_size is exclusive with it
+        budget = trainer.micro_batch_tokens // 2
+        if budget >= cfg.sampler.max_new_tokens:
+            candidates.append(
+                (
+                    f"micro_batch_tokens {trainer.micro_batch_tokens} -> {budget}",
+                    (f"trainer.micro_batch_tokens={budget}",),
+                    "more forward/backward passes, the same gradient",
+                )
+            )
+    elif smaller and not cfg.sampler.adaptive.enabled:
         candidates.append(
             (
                 f"micro_batch_size {micro} -> {smaller}",
