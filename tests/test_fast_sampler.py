@@ -5,6 +5,7 @@ does reject a sampler at another temperature)."""
 
 from __future__ import annotations
 
+import contextlib
 from collections import Counter
 
 import pytest
@@ -174,6 +175,62 @@ def test_sampling_with_packed_weights_draws_from_the_same_distribution(tiny_mode
     monkeypatch.setattr(packed, "intel_cpu", lambda: True)
     make_sampler(cfg.sampler, models.tokenizer, autocast=torch.bfloat16).sample(models.policy, batch)
     assert not products
+
+
+def test_low_precision_linears_compute_autocasts_own_products_and_step_aside_after():
+    from grpo_cli.sampling.packed import LowPrecisionLinears
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 24), torch.nn.Linear(24, 8, bias=False), torch.nn.Linear(8, 4))
+    hooked = model[2]
+    hooked.forward = lambda inputs: torch.zeros(inputs.shape[0], 4)  # a forward replaced by someone else
+    copies = LowPrecisionLinears(model, torch.bfloat16)
+    assert [module for module, _ in copies.forwards] == [model[0], model[1]]
+    inputs = torch.randn(5, 16)
+    with torch.inference_mode(), torch.autocast("cpu", dtype=torch.bfloat16):
+        expected = model[1](model[0](inputs))  # autocast casts each weight at the call
+        with copies:
+            got = model[1](model[0](inputs))
+    assert got.dtype == torch.bfloat16 and torch.equal(got, expected)  # the same kernel on the same values
+    assert "forward" not in vars(model[0]) and "forward" not in vars(model[1]) and "forward" in vars(hooked)
+
+
+def test_under_autocast_the_decode_steps_use_weight_copies_made_once_with_the_same_scores(tiny_model_dir, monkeypatch):
+    # Autocast would cast every float32 weight again at every decode step (it keeps no cast in
+    # inference mode); the sampler makes the bfloat16 copies once per decode instead. The steps'
+    # scores, and so the draws, are those of autocast's own casts, bit for bit.
+    import grpo_cli.sampling.fast as fast
+    import grpo_cli.sampling.packed as packed
+    from grpo_cli.sampling.fast import FastSampler
+
+    cfg, models, _ = setup(tiny_model_dir, "fast", "sampler.max_new_tokens=8", "sampler.min_new_tokens=8")
+    batch = PromptSource(cfg.data, models.tokenizer).next_batch()
+    sampler = make_sampler(cfg.sampler, models.tokenizer, autocast=torch.bfloat16)
+    copies = Counter()
+    cast_forward = packed.cast_forward
+
+    def counted_cast_forward(weight, bias, dtype):
+        copies.update([dtype])
+        return cast_forward(weight, bias, dtype)
+
+    monkeypatch.setattr(packed, "cast_forward", counted_cast_forward)
+    rollouts, scores = [], {True: [], False: []}
+    for held in (True, False):
+        with monkeypatch.context() as patch:
+            patch.setattr(
+                fast,
+                "draw_tokens",
+                lambda step, greedy, held=held: scores[held].append(step) or draw_tokens(step, greedy),
+            )
+            if not held:  # autocast's per-call casts
+                patch.setattr(FastSampler, "decode_weights", lambda *args: contextlib.nullcontext())
+            torch.manual_seed(0)
+            rollouts.append(sampler.sample(models.policy, batch))
+    linears = sum(type(module) is torch.nn.Linear for module in models.policy.modules())
+    assert copies == Counter({torch.bfloat16: linears})  # once per decode, not per token
+    assert len(scores[True]) == 8 and all(map(torch.equal, scores[True], scores[False]))
+    assert torch.equal(rollouts[0].completion_ids, rollouts[1].completion_ids)
+    assert not any("forward" in vars(module) for module in models.policy.modules())
 
 
 def test_make_sampler_picks_the_backend_and_both_are_samplers(tiny_model_dir):

@@ -324,6 +324,22 @@ def test_fast_sampling_on_a_cpu_plans_the_weights_it_packs(tiny_model_dir, lora,
     assert on_gpu.bytes_of("sampling packed weights") == 0
 
 
+@pytest.mark.parametrize("lora", [False, True])
+def test_fast_sampling_under_autocast_plans_the_bfloat16_weight_copies_it_makes(tiny_model_dir, lora):
+    from grpo_cli.models.loading import load_models
+    from grpo_cli.sampling.packed import LowPrecisionLinears
+
+    overrides = ("model.dtype=float32", "model.autocast=bfloat16", *(LORA if lora else ()))
+    plan = plan_memory(config(tiny_model_dir, *overrides), prompt_tokens=PROMPT, device="cpu")
+    policy = load_models(config(tiny_model_dir, *overrides).model, 0.0, torch.device("cpu")).policy
+    copied = sum(module.weight.numel() for module, _ in LowPrecisionLinears(policy, torch.bfloat16).forwards)
+    assert plan.bytes_of("sampling bfloat16 weights") == 2 * copied > 0  # the tied head's and the adapter's too
+    assert plan.bytes_of("eval bfloat16 weights") == plan.bytes_of("sampling bfloat16 weights")
+    for other in (("sampler.backend=hf",), ("model.autocast=none",), ("model.dtype=bfloat16",)):
+        plain = plan_memory(config(tiny_model_dir, *overrides, *other), prompt_tokens=PROMPT, device="cpu")
+        assert plain.bytes_of("sampling bfloat16 weights") == 0, other
+
+
 def test_a_seven_b_model_on_a_cpu_plans_its_packed_linear_weights(monkeypatch):
     import grpo_cli.sampling.packed
 

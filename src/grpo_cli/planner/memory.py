@@ -242,12 +242,16 @@ def _sampling_rows(
     cfg: Any, arch: Architecture, shape: StepShape, adapter: Sequence[Weight], phase: str, sequences: int
 ) -> list[PlanRow]:
     """A decode of `sequences` rows (the step's sampling, or the eval's greedy batch): its KV
-    cache, its work, and the weights sampler=fast packs on a CPU."""
+    cache, its work, and the copies of the weights sampler=fast decodes with: packed on an Intel
+    CPU, or in bfloat16 under autocast."""
     amounts = sampling_amounts(arch, shape.act, sequences, shape.prompt_tokens, shape.new_tokens)
     rows = [_row(f"{phase} {what}", amount, phase) for what, amount in zip(("KV cache", "work"), amounts)]
     packed = packed_linear_weights(cfg, arch, shape.device, shape.dtype, adapter)
     if packed:
         rows.append(_row(f"{phase} packed weights", packed, phase))
+    copies = bfloat16_linear_weights(cfg, arch, shape.device, shape.dtype, adapter)
+    if copies:
+        rows.append(_row(f"{phase} bfloat16 weights", copies, phase))
     return rows
 
 
@@ -344,16 +348,42 @@ def packed_linear_weights(
         or resolve_autocast(cfg.model.autocast, device, parameter_count(model_weights(arch))) != "none"
     ):
         return None
-    linears = [Weight("lm_head.weight", arch.vocab_size, arch.hidden_size, 1, False), *adapter]
-    if str(cfg.model.quantization).lower() == "none":  # bitsandbytes layers are not nn.Linear
-        linears += [weight for weight in model_weights(arch) if weight.quantizable]
-    count = parameter_count([weight for weight in linears if weight.numel >= PACK_MIN_WEIGHTS])
+    count = parameter_count(
+        [weight for weight in _linear_weights(cfg, arch, adapter) if weight.numel >= PACK_MIN_WEIGHTS]
+    )
     if not count:
         return None
     return Amount(
         4 * count,
         f"{count:,} weights of linears of >= {PACK_MIN_WEIGHTS:,} x 4 B, packed for MKL's GEMM while decoding",
     )
+
+
+def bfloat16_linear_weights(
+    cfg: Any, arch: Architecture, device: str, dtype: str, adapter: Sequence[Weight]
+) -> Optional[Amount]:
+    """sampler=fast under bfloat16 autocast with float32 weights decodes with a bfloat16 copy of
+    every float32 linear weight (sampling/packed.py, LowPrecisionLinears): the decoder's unless
+    quantized, the head's, the adapter's. None elsewhere."""
+    from grpo_cli.models.loading import resolve_autocast
+
+    if (
+        dtype != "float32"
+        or str(cfg.sampler.backend).lower() != "fast"
+        or resolve_autocast(cfg.model.autocast, device, parameter_count(model_weights(arch))) != "bfloat16"
+    ):
+        return None
+    count = parameter_count(_linear_weights(cfg, arch, adapter))
+    return Amount(2 * count, f"{count:,} weights of linears x 2 B, a bfloat16 copy made once per decode")
+
+
+def _linear_weights(cfg: Any, arch: Architecture, adapter: Sequence[Weight]) -> list[Weight]:
+    """The weights of the policy's nn.Linear layers: the head, the adapter's, the decoder's
+    unless quantized (bitsandbytes layers are not nn.Linear)."""
+    linears = [Weight("lm_head.weight", arch.vocab_size, arch.hidden_size, 1, False), *adapter]
+    if str(cfg.model.quantization).lower() == "none":
+        linears += [weight for weight in model_weights(arch) if weight.quantizable]
+    return linears
 
 
 def _row(name: str, amount: Amount, phase: str = HELD) -> PlanRow:

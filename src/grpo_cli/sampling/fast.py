@@ -10,7 +10,9 @@ as transformers' `generate` (`sampler=hf`), with less work per token:
   as generate's processors do them and in their order, without its per-step machinery;
 - each token runs through the decoder's layers directly, with the attention mask made once
   (the model's forward rebuilds it at every token), where the model allows it; there, on an
-  Intel CPU, float32 linear layers multiply by weights packed once per decode (PackedLinears);
+  Intel CPU, float32 linear layers multiply by weights packed once per decode (PackedLinears),
+  and under bfloat16 autocast by a bfloat16 copy of their weights made once per decode
+  (LowPrecisionLinears), not cast again at every token;
 - the loop runs under inference mode (no-grad mode under FSDP) and stops as soon as every
   completion has ended.
 
@@ -29,7 +31,7 @@ from grpo_cli.config import SamplerConfig
 from grpo_cli.models.loading import autocast_to
 from grpo_cli.models.transformers_api import returned_cache, with_cache
 from grpo_cli.records import PromptBatch, Rollout
-from grpo_cli.sampling.packed import PackedLinears, packing_pays
+from grpo_cli.sampling.packed import LowPrecisionLinears, PackedLinears, packing_pays
 from grpo_cli.sampling.rollouts import rollout_from
 
 
@@ -261,9 +263,7 @@ class FastSampler:
                     dim=1,
                 )  # [N, P + T]
                 one_token = one_token_forward(policy, attention, cache, direct)
-                # not under autocast: the packed GEMM would run in float32 where autocast casts
-                packs = direct and self.autocast is None and packing_pays()
-                packed = PackedLinears(policy, count) if packs else contextlib.nullcontext()
+                packed = self.decode_weights(policy, count, direct)
                 next_position = positions[:, -1:].repeat_interleave(copies, dim=0) + 1  # [N, 1]
                 completions = torch.full((count, cfg.max_new_tokens), pad, dtype=torch.long, device=device)
                 running = torch.ones(count, dtype=torch.bool, device=device)
@@ -284,6 +284,17 @@ class FastSampler:
         finally:
             policy.train(was_training)
         return completions.cpu().clone()  # a normal tensor: inference-mode ones cannot enter autograd
+
+    def decode_weights(self, policy, rows: int, direct: bool):
+        """The decode steps' weights, prepared once for this decode: under autocast a copy in
+        its dtype; in float32 on an Intel CPU packed for MKL (not under autocast: the packed
+        GEMM would run in float32 where autocast casts). Only layer by layer (`direct`): under
+        FSDP the forward gathers its weights at every call."""
+        if direct and self.autocast is not None:
+            return LowPrecisionLinears(policy, self.autocast)
+        if direct and packing_pays():
+            return PackedLinears(policy, rows)
+        return contextlib.nullcontext()
 
     def _any_running(self, running: torch.Tensor) -> bool:
         flag = running.any().float()

@@ -1,5 +1,7 @@
-"""sampler=fast on a CPU: float32 linear layers multiplied by weights packed once per decode for
-MKL's GEMM (pure torch: the memory planner reads PACK_MIN_WEIGHTS without loading a sampler)."""
+"""sampler=fast's decode weights, prepared once per decode instead of at every token: float32
+linear layers multiplied by weights packed for MKL's GEMM on an Intel CPU (PackedLinears), or,
+under bfloat16 autocast, by a bfloat16 copy of their weights (LowPrecisionLinears). Pure torch:
+the memory planner reads PACK_MIN_WEIGHTS without loading a sampler."""
 
 from __future__ import annotations
 
@@ -37,7 +39,21 @@ def packing_pays() -> bool:
     return packed_gemm_available() and intel_cpu()
 
 
-class PackedLinears:
+class _SwappedForwards:
+    """A reusable `with` block that gives each module of self.forwards its own forward."""
+
+    forwards: list
+
+    def __enter__(self):
+        for module, forward in self.forwards:
+            module.forward = forward
+
+    def __exit__(self, *exc):
+        for module, _ in self.forwards:
+            del module.forward
+
+
+class PackedLinears(_SwappedForwards):
     """A reusable `with` block within which the policy's float32 `nn.Linear` layers on the CPU,
     of at least `min_weights` weights (default PACK_MIN_WEIGHTS), multiply by weights packed for
     MKL's GEMM, once, for inputs of `rows` rows.
@@ -67,14 +83,6 @@ class PackedLinears:
             ):
                 self.forwards.append((module, packed_forward(weight.detach(), module.bias, rows)))
 
-    def __enter__(self):
-        for module, forward in self.forwards:
-            module.forward = forward
-
-    def __exit__(self, *exc):
-        for module, _ in self.forwards:
-            del module.forward
-
 
 def packed_forward(weight: torch.Tensor, bias: torch.Tensor | None, rows: int):
     """inputs [..., in] -> inputs @ weight.T + bias, by MKL's GEMM with `weight` packed for `rows` rows."""
@@ -83,5 +91,37 @@ def packed_forward(weight: torch.Tensor, bias: torch.Tensor | None, rows: int):
 
     def forward(inputs: torch.Tensor) -> torch.Tensor:
         return torch.ops.mkl._mkl_linear(inputs, packed, weight, bias, rows)
+
+    return forward
+
+
+class LowPrecisionLinears(_SwappedForwards):
+    """A reusable `with` block, for decode steps under torch.autocast in `dtype`, within which the
+    policy's float32 `nn.Linear` layers multiply by a copy of their weights (and biases) in
+    `dtype` made once, here.
+
+    Autocast casts a float32 weight at every call: inside inference mode it keeps no cast, so
+    each decode step read every float32 weight and wrote its bfloat16 copy again (measured on
+    SmolLM2-135M: half the decode's time in those copies), where a held copy is read at half
+    the float32 bytes. The products are autocast's own: its inputs in `dtype`, the same kernel
+    (tests/test_fast_sampler.py). It holds the copies (2 B a weight for bfloat16) while it
+    lives; the weights change with every optimizer step, so make one per decode. A module whose
+    forward is already replaced on the instance (hooks) is left alone."""
+
+    def __init__(self, policy, dtype: torch.dtype):
+        self.forwards = []
+        for module in policy.modules():
+            weight = getattr(module, "weight", None)
+            if type(module) is torch.nn.Linear and "forward" not in vars(module) and weight.dtype == torch.float32:
+                self.forwards.append((module, cast_forward(weight.detach(), module.bias, dtype)))
+
+
+def cast_forward(weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype):
+    """inputs [..., in] -> inputs @ weight.T + bias in `dtype`, with the weight cast once."""
+    weight = weight.to(dtype)
+    bias = None if bias is None else bias.detach().to(dtype)
+
+    def forward(inputs: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.linear(inputs.to(dtype), weight, bias)
 
     return forward
