@@ -74,6 +74,7 @@ def make_trl_trainer(
     output_dir: str,
     max_steps: int = 1,
     micro_batch_size: int = 0,
+    config_overrides: dict[str, Any] | None = None,
 ) -> GRPOTrainer:
     """A TRL GRPOTrainer configured like grpo_cli's trainer (see the module docstring).
 
@@ -82,7 +83,8 @@ def make_trl_trainer(
     `forced_length`: every completion max_new_tokens long (min_new_tokens); False: up to EOS.
     `micro_batch_size`: completions per forward/backward (grpo_cli's trainer.micro_batch_size);
     0 = the whole generation batch at once. Either way there is one optimizer step per
-    generation batch.
+    generation batch. `config_overrides`: GRPOConfig fields set over the ones above (an
+    objective's: loss_type's own, importance_sampling_level, delta, entropy_coef, ...).
     """
     batch = prompts_per_step * group_size
     micro = micro_batch_size or batch
@@ -92,7 +94,7 @@ def make_trl_trainer(
         # TRL's RepeatSampler drops an incomplete batch of prompts: fewer would never train.
         raise ValueError(f"need at least prompts_per_step={prompts_per_step} prompts, got {len(prompts)}")
     accumulation = batch // micro
-    args = GRPOConfig(
+    fields = dict(
         output_dir=output_dir,
         use_cpu=True,
         bf16=bf16,
@@ -149,6 +151,7 @@ def make_trl_trainer(
         dataloader_num_workers=0,
         pad_to_multiple_of=None,
     )
+    args = GRPOConfig(**{**fields, **(config_overrides or {})})
     tokenizer = AutoTokenizer.from_pretrained(model_dir, padding_side="left")
     dataset = Dataset.from_list([{"prompt": text} for text in prompts])
     return GRPOTrainer(

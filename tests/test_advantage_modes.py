@@ -4,6 +4,7 @@ grpo       A_i = (r_i - mean) / (sample std + eps)
 rloo       A_i = r_i - mean of the other G - 1 rewards = G / (G - 1) * (r_i - mean)
 dr_grpo    A_i = r_i - mean
 batch_std  A_i = (r_i - group mean) / (sample std of all B*G rewards + eps)
+reinforce_baseline  A_i = c_i / (sample std of all B*G c + eps), c_i = r_i - group mean
 """
 
 from __future__ import annotations
@@ -66,7 +67,20 @@ def test_batch_std_adds_eps_to_the_batch_std():
     assert values == pytest.approx([-0.131440, 0.131440, -0.262879, 0.262879], abs=1e-6)
 
 
-@pytest.mark.parametrize("mode", ["grpo", "rloo", "dr_grpo", "batch_std"])
+def test_reinforce_baseline_scales_by_the_std_of_the_centered_rewards_not_the_raw_ones():
+    # groups (0, 2) and (10, 14) again, centered (-1, 1, -2, 2): mean 0, squares 1 + 1 + 4 + 4 = 10,
+    # sample std sqrt(10 / 3) = 1.825742 -> (-1, 1, -2, 2) / 1.825742. The gap between the groups'
+    # means (1 and 12), which batch_std's raw std of 6.608 carries, is not in it.
+    rewards = [[0, 2], [10, 14]]
+    expected = [-0.547723, 0.547723, -1.095445, 1.095445]
+    assert advantages(rewards, "reinforce_baseline") == pytest.approx(expected, abs=1e-6)
+    # shifting one group by a constant changes batch_std's advantages, not these
+    shifted = [[0, 2], [110, 114]]
+    assert advantages(shifted, "reinforce_baseline") == pytest.approx(expected, abs=1e-5)
+    assert advantages(shifted, "batch_std") != pytest.approx(advantages(rewards, "batch_std"), abs=1e-3)
+
+
+@pytest.mark.parametrize("mode", ["grpo", "rloo", "dr_grpo", "batch_std", "reinforce_baseline"])
 def test_zero_std_groups_are_flagged_and_exactly_zero_in_every_mode(mode):
     # group 0 constant; group 2 nearly constant: (0.5, 0.5, 0.50001) has sample std ~5.8e-6 < 1e-4,
     # so its tiny centered rewards (which rloo / dr_grpo / batch_std would keep) are zeroed too.

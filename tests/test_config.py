@@ -132,6 +132,18 @@ def test_a_wrong_type_is_rejected_by_the_schema():
         (["reward.workers=0"], "reward.workers=0"),
         (["trainer.rollout_correction=tis"], "trainer.rollout_correction='tis'"),
         (["trainer.rollout_correction_cap=0"], "trainer.rollout_correction_cap=0"),
+        (["trainer.loss=ppo"], "trainer.loss='ppo'"),
+        (["trainer.loss=CISPO"], "trainer.loss='CISPO'"),
+        (["trainer.importance_sampling_level=group"], "trainer.importance_sampling_level='group'"),
+        (["trainer.delta=1.1"], "trainer.delta=1.1 must exceed 1 + clip_eps_high = 1.2"),
+        (["trainer.clip_eps_high=0.28", "trainer.delta=1.25"], "1 + clip_eps_high = 1.28"),
+        (["trainer.dual_clip=0.5"], "trainer.dual_clip=0.5 must exceed 1"),
+        (["trainer.loss=cispo", "trainer.delta=4"], "trainer.loss=cispo has no such clip"),
+        (["trainer.loss=sapo", "trainer.dual_clip=3"], "Set trainer.dual_clip=null"),
+        (["trainer.cispo_ratio_max=1"], "trainer.cispo_ratio_max=1.0 must exceed 1"),
+        (["trainer.cispo_ratio_min=1.2"], "trainer.cispo_ratio_min=1.2 must be in [0, 1)"),
+        (["trainer.sapo_temperature_neg=0"], "trainer.sapo_temperature_neg=0.0 must be positive"),
+        (["trainer.sapo_temperature_pos=inf"], "trainer.sapo_temperature_pos=inf"),
         (["sampler=vllm", "sampler.vllm.dtype=fp8"], "sampler.vllm.dtype='fp8'"),
         (["sampler=vllm", "sampler.vllm.kv_cache_gb=-1"], "sampler.vllm.kv_cache_gb=-1"),
         (["sampler=vllm", "sampler.vllm.gpu_memory_utilization=1.5"], "sampler.vllm.gpu_memory_utilization=1.5"),
@@ -164,6 +176,19 @@ def test_algorithm_presets_set_the_variant_keys_and_win_over_the_run_preset():
         "k3",
         None,
     )
+    gspo = make(["algorithm=gspo"]).trainer
+    assert (gspo.loss, gspo.importance_sampling_level, gspo.clip_eps, gspo.clip_eps_high) == (
+        "clip",
+        "sequence",
+        3e-4,
+        4e-4,
+    )
+    cispo = make(["algorithm=cispo"]).trainer
+    assert (cispo.loss, cispo.loss_aggregation, cispo.cispo_ratio_max) == ("cispo", "token_mean", 5.0)
+    sapo = make(["algorithm=sapo"]).trainer
+    assert (sapo.loss, sapo.sapo_temperature_pos, sapo.sapo_temperature_neg) == ("sapo", 1.0, 1.05)
+    for name in ("gspo", "cispo", "sapo"):
+        validate(make([f"algorithm={name}"]), check_files=False)
     # The command line still wins over the algorithm preset.
     assert make(["algorithm=dapo", "trainer.clip_eps_high=0.3"]).trainer.clip_eps_high == 0.3
 

@@ -74,6 +74,11 @@ def paper_advantages(rewards: list[list[float]], mode: str) -> list[float]:
                 advantages.append(reward - mean)
             elif mode == "batch_std":
                 advantages.append((reward - mean) / (paper_sample_std(all_rewards) + STD_EPS))
+            elif mode == "reinforce_baseline":
+                # REINFORCE++-baseline: the group's mean, then the sample std of every completion's
+                # centered reward in the batch (uninformative groups included: they are 0)
+                centered = [r - paper_mean(g) for g in rewards for r in g]
+                advantages.append((reward - mean) / (paper_sample_std(centered) + STD_EPS))
             else:
                 raise AssertionError(mode)
     return advantages
@@ -214,7 +219,7 @@ CASES = [
     *[
         pytest.param(aggregation, mode, "k3", 0.28, id=f"{aggregation}-{mode}-k3-clip_high")
         for aggregation in ("sequence_mean", "token_mean", "constant")
-        for mode in ("grpo", "rloo", "dr_grpo", "batch_std")
+        for mode in ("grpo", "rloo", "dr_grpo", "batch_std", "reinforce_baseline")
     ],
     # the other estimators with one aggregation
     *[
@@ -287,8 +292,9 @@ def test_micro_batch_losses_and_gradients_add_up_to_the_step(aggregation):
 # ---------------------------------------------------------------- hand-derived small cases
 
 
-def _one_token_loss(rho: float, advantage: float, clip_eps: float, clip_eps_high: float):
-    """One sequence of one token (N = |o| = 1), no KL: loss = -min(rho A, clip(rho) A)."""
+def one_token_loss(rho: float, advantage: float, clip_eps: float = 0.2, clip_eps_high: float = 0.2, **settings):
+    """One sequence of one token (N = |o| = 1), no KL: (loss, d loss / d logp, clipped_high,
+    clipped_low); with the default settings loss = -min(rho A, clip(rho) A)."""
     log_probs = torch.tensor([[math.log(rho)]], dtype=F64, requires_grad=True)
     loss, metrics = grpo_loss(
         log_probs,
@@ -296,7 +302,7 @@ def _one_token_loss(rho: float, advantage: float, clip_eps: float, clip_eps_high
         None,
         torch.tensor([advantage], dtype=F64),
         torch.ones(1, 1),
-        LossSettings(clip_eps, clip_eps_high, beta=0.0),
+        LossSettings(clip_eps, clip_eps_high, beta=0.0, **settings),
         LossDenominators(1, 1, 1),
     )
     loss.backward()
@@ -306,18 +312,18 @@ def _one_token_loss(rho: float, advantage: float, clip_eps: float, clip_eps_high
 def test_clip_higher_lets_a_positive_advantage_token_grow_past_the_symmetric_bound():
     # rho = 1.25, A = 2.
     # symmetric eps 0.2: clip(1.25) = 1.2; min(2.5, 2.4) = 2.4 -> loss -2.4, the constant branch: grad 0
-    assert _one_token_loss(1.25, 2.0, 0.2, 0.2) == pytest.approx((-2.4, 0.0, 1, 0))
+    assert one_token_loss(1.25, 2.0, 0.2, 0.2) == pytest.approx((-2.4, 0.0, 1, 0))
     # eps_high 0.28: 1.25 < 1.28 is not clipped; loss -rho A = -2.5,
     # d loss / d logp = -A * d rho / d logp = -A rho = -2.5 (divided by |o| N = 1)
-    assert _one_token_loss(1.25, 2.0, 0.2, 0.28) == pytest.approx((-2.5, -2.5, 0, 0))
+    assert one_token_loss(1.25, 2.0, 0.2, 0.28) == pytest.approx((-2.5, -2.5, 0, 0))
 
 
 def test_the_lower_bound_uses_clip_eps_not_clip_eps_high():
     # rho = 0.75, A = -1, eps 0.2 / eps_high 0.28: lower bound 1 - 0.2 = 0.8 (1 - 0.28 = 0.72 would not clip)
     # min(-0.75, -0.8) = -0.8 -> loss 0.8, clipped on the low side, grad 0
-    assert _one_token_loss(0.75, -1.0, 0.2, 0.28) == pytest.approx((0.8, 0.0, 0, 1))
+    assert one_token_loss(0.75, -1.0, 0.2, 0.28) == pytest.approx((0.8, 0.0, 0, 1))
     # rho = 0.82 is inside [0.8, 1.28]: loss -(0.82 * -1) = 0.82, grad -A rho = 0.82
-    assert _one_token_loss(0.82, -1.0, 0.2, 0.28) == pytest.approx((0.82, 0.82, 0, 0))
+    assert one_token_loss(0.82, -1.0, 0.2, 0.28) == pytest.approx((0.82, 0.82, 0, 0))
 
 
 def test_kl_estimators_by_hand():

@@ -20,7 +20,9 @@ from omegaconf import MISSING, OmegaConf
 # The values of the string fields that the stages read as written (case-sensitive), checked by
 # validate; the stages that read them import them from here, so composing and validating a
 # config never imports torch.
-ADVANTAGE_MODES = ("grpo", "rloo", "dr_grpo", "batch_std")  # trainer.advantage
+ADVANTAGE_MODES = ("grpo", "rloo", "dr_grpo", "batch_std", "reinforce_baseline")  # trainer.advantage
+OBJECTIVES = ("clip", "cispo", "sapo")  # trainer.loss (algorithm/objectives.py)
+IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence")  # trainer.importance_sampling_level
 AGGREGATIONS = ("sequence_mean", "token_mean", "constant")  # trainer.loss_aggregation
 KL_ESTIMATORS = ("k1", "k2", "k3")  # trainer.kl_estimator
 BETA_SHAPES = ("linear", "cosine", "step")  # trainer.beta.shape
@@ -257,7 +259,30 @@ class TrainerConfig:
     use_bias_correction_kl). Not in the GRPO paper; equal in value at num_iterations = 1."""
     advantage: str = "grpo"
     """grpo (group mean/std) | rloo (leave-one-out mean) | dr_grpo (group mean, no std) |
-    batch_std (group mean, std of the whole batch)."""
+    batch_std (group mean, std of the whole batch's rewards) | reinforce_baseline (REINFORCE++-
+    baseline: group mean, then the std of the whole batch's centered rewards)."""
+    loss: str = "clip"
+    """The policy term: clip (the paper's PPO-clip surrogate) | cispo (MiniMax-M1: a clipped,
+    stop-gradient ratio weighing A log pi; cispo_ratio_min/max) | sapo (a soft sigmoid gate in
+    place of the clip; sapo_temperature_pos/neg). docs/ALGORITHM.md gives each formula."""
+    importance_sampling_level: str = "token"
+    """token (the paper: one ratio per token) | sequence (GSPO: the geometric mean of the
+    completion's token ratios, one ratio and one clip per completion)."""
+    delta: Optional[float] = None
+    """loss=clip: cap the unclipped ratio at delta (INTELLECT-2's two-sided clip, TRL's delta), so a
+    token with A < 0 and a huge ratio cannot dominate; must exceed 1 + clip_eps_high. null = off."""
+    dual_clip: Optional[float] = None
+    """loss=clip: dual-clip (verl's clip_ratio_c, 3.0 there): for A < 0 the objective is at least
+    dual_clip * A, bounding a negative token's loss; must exceed 1. null = off (the paper)."""
+    cispo_ratio_max: float = 5.0
+    """loss=cispo: the upper bound of the importance weight (ScaleRL's eps_max, TRL's epsilon_high
+    under cispo)."""
+    cispo_ratio_min: Optional[float] = None
+    """loss=cispo: its lower bound (MiniMax-M1's 1 - eps_low); null = none, as MiniMax-M1 ran it."""
+    sapo_temperature_pos: float = 1.0
+    """loss=sapo: the gate's temperature for tokens with A > 0 (larger: the gate closes sooner)."""
+    sapo_temperature_neg: float = 1.05
+    """loss=sapo: ... for A <= 0 (SAPO's default is larger: negative updates are damped more)."""
     loss_aggregation: str = "sequence_mean"
     """sequence_mean (the paper: per-sequence mean, then over sequences) | token_mean (DAPO: all
     tokens of the step weigh the same) | constant (Dr. GRPO: token sums / max_new_tokens)."""

@@ -20,7 +20,9 @@ from grpo_cli.config import (
     AGGREGATIONS,
     BETA_SHAPES,
     DISTRIBUTED_MODES,
+    IMPORTANCE_SAMPLING_LEVELS,
     KL_ESTIMATORS,
+    OBJECTIVES,
     ROLLOUT_CORRECTIONS,
     ConfigError,
     boosted_group_size,
@@ -43,6 +45,8 @@ EXACT_CHOICES = {  # read as written by the loss code, so compared case-sensitiv
     "trainer.loss_aggregation": AGGREGATIONS,
     "trainer.kl_estimator": KL_ESTIMATORS,
     "trainer.rollout_correction": ROLLOUT_CORRECTIONS,
+    "trainer.loss": OBJECTIVES,
+    "trainer.importance_sampling_level": IMPORTANCE_SAMPLING_LEVELS,
 }
 
 
@@ -177,6 +181,7 @@ def _number_problems(cfg: Any) -> list[str]:
         problems.append(f"trainer.clip_eps={trainer.clip_eps} must be below 1 (the ratio is clipped at 1 - clip_eps).")
     if trainer.clip_eps_high is not None and not 0 <= trainer.clip_eps_high < math.inf:
         problems.append(f"trainer.clip_eps_high={trainer.clip_eps_high} must be >= 0 (or null for clip_eps).")
+    problems += _objective_problems(trainer)
     problems += _beta_problems(trainer.beta)
     problems += _clip_problems(cfg.reward.clip)
     if not 0 <= cfg.reward.max_error_fraction <= 1:
@@ -191,6 +196,33 @@ def _number_problems(cfg: Any) -> list[str]:
         problems.append(
             f"sampler.min_new_tokens={sampler.min_new_tokens} exceeds sampler.max_new_tokens={sampler.max_new_tokens}."
         )
+    return problems
+
+
+def _objective_problems(trainer: Any) -> list[str]:
+    """The bounds of each objective's own keys, and the keys that belong to another objective."""
+    problems = []
+    upper = 1 + (trainer.clip_eps if trainer.clip_eps_high is None else trainer.clip_eps_high)
+    if trainer.delta is not None and not upper < trainer.delta < math.inf:
+        problems.append(
+            f"trainer.delta={trainer.delta} must exceed 1 + clip_eps_high = {upper:g} (it caps the ratio "
+            "above the clip range; INTELLECT-2 used 4), or be null."
+        )
+    if trainer.dual_clip is not None and not 1 < trainer.dual_clip < math.inf:
+        problems.append(f"trainer.dual_clip={trainer.dual_clip} must exceed 1 (verl's default is 3), or be null.")
+    for key in ("delta", "dual_clip"):
+        if getattr(trainer, key) is not None and trainer.loss != "clip":
+            problems.append(
+                f"trainer.{key}={getattr(trainer, key)} shapes the clip of trainer.loss=clip; "
+                f"trainer.loss={trainer.loss} has no such clip. Set trainer.{key}=null."
+            )
+    if not 1 < trainer.cispo_ratio_max < math.inf:
+        problems.append(f"trainer.cispo_ratio_max={trainer.cispo_ratio_max} must exceed 1 (ScaleRL used 5).")
+    if trainer.cispo_ratio_min is not None and not 0 <= trainer.cispo_ratio_min < 1:
+        problems.append(f"trainer.cispo_ratio_min={trainer.cispo_ratio_min} must be in [0, 1), or null for none.")
+    for key in ("sapo_temperature_pos", "sapo_temperature_neg"):
+        if not 0 < getattr(trainer, key) < math.inf:
+            problems.append(f"trainer.{key}={getattr(trainer, key)} must be positive (SAPO used 1.0 and 1.05).")
     return problems
 
 

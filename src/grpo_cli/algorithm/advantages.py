@@ -7,6 +7,9 @@ its own prompt's group, and the result is the advantage of every token of that c
     rloo       A_i = r_i - mean(r_j, j != i) = G / (G - 1) * (r_i - mean)     (Ahmadian et al. 2024)
     dr_grpo    A_i = r_i - mean(r_1..r_G)                                     (Liu et al. 2025)
     batch_std  A_i = (r_i - mean(r_1..r_G)) / (std of all B*G rewards + eps)  (group mean, batch std)
+    reinforce_baseline  c_i = r_i - mean(r_1..r_G);  A_i = c_i / (std of all B*G c + eps)
+               (REINFORCE++-baseline, Hu et al. 2025, OpenRLHF's reinforce_baseline: the batch std
+               of the centered rewards, so groups that differ in mean do not inflate it)
 
 std is the sample standard deviation (divides by G - 1; torch's default, as in TRL and verl, so
 runs compare one to one with theirs), so for G = 2 with rewards (1, 0): mean 0.5, std 0.7071,
@@ -40,6 +43,8 @@ def group_advantages(rewards: torch.Tensor, std_eps: float, std_threshold: float
         values = centered
     elif mode == "batch_std":
         values = centered / (rewards.std() + std_eps)
+    elif mode == "reinforce_baseline":
+        values = centered / (centered.std() + std_eps)
     else:
         raise ValueError(f"unknown advantage mode {mode!r}; one of {', '.join(ADVANTAGE_MODES)}")
     values = values.masked_fill(zero_std.unsqueeze(1), 0.0)

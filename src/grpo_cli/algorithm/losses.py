@@ -15,6 +15,8 @@ step (each prompt's group weighs the same, as every group has G completions). Th
 - `kl_estimator`: k1 = log(pi/ref), k2 = (log(pi/ref))^2 / 2, k3 as above.
 - `aggregation`: sequence_mean (the paper), token_mean (DAPO: every token of the step weighs the
   same), constant (Dr. GRPO: each sequence's token sum divided by max_new_tokens).
+- `loss` (cispo, sapo), `importance_sampling_level` (GSPO), `delta`, `dual_clip`: the policy
+  term min(rho A, clip(rho) A) replaced or bounded, one function each in objectives.py.
 Departures from the paper, none of which change the formula:
 - With num_iterations = 1 the "old" policy is the current one: rho = exp(logp - logp.detach()),
   which is 1 in value but still carries the gradient, exactly as the paper's single-pass case.
@@ -35,6 +37,7 @@ from typing import NamedTuple
 
 import torch
 
+from grpo_cli.algorithm.objectives import policy_objective
 from grpo_cli.config import AGGREGATIONS, KL_ESTIMATORS, ROLLOUT_CORRECTIONS
 
 LOGIT_CHUNK_ELEMENTS = 1 << 24  # float32 elements per chunk of logits (64 MiB): rows = this / vocab
@@ -229,6 +232,15 @@ class LossSettings:
     kl_estimator: str = "k3"
     aggregation: str = "sequence_mean"
     kl_importance_correction: bool = False  # KL_it x rho_it (DeepSeek-V3.2; TRL's use_bias_correction_kl)
+    # The policy term (objectives.py; each the trainer key of the same name):
+    loss: str = "clip"  # clip (the paper) | cispo | sapo
+    importance_sampling_level: str = "token"  # token | sequence (GSPO)
+    delta: float | None = None  # clip: the unclipped ratio capped at delta (INTELLECT-2)
+    dual_clip: float | None = None  # clip: for A < 0 the objective is at least dual_clip * A
+    cispo_ratio_min: float | None = None  # cispo: the weight's lower bound (None: none, as MiniMax-M1)
+    cispo_ratio_max: float = 5.0  # cispo: the weight's upper bound (ScaleRL's eps_max)
+    sapo_temperature_pos: float = 1.0  # sapo: tau for A > 0
+    sapo_temperature_neg: float = 1.05  # sapo: tau for A <= 0
 
 
 def grpo_loss(
@@ -253,11 +265,10 @@ def grpo_loss(
     # ratio is 1 and their KL 0, so an extreme log-prob there cannot turn the sum into inf * 0.
     detached = log_probs.detach()
     old_log_probs = torch.where(tokens, old_log_probs, detached)
-    ratio = torch.exp(log_probs - old_log_probs)
     advantages = advantages.unsqueeze(1)  # [N, 1], shared by all tokens of a completion
-    unclipped = ratio * advantages
-    clipped = torch.clamp(ratio, 1.0 - settings.clip_eps, 1.0 + settings.clip_eps_high) * advantages
-    per_token = -torch.minimum(unclipped, clipped)  # [N, T]
+    policy = policy_objective(log_probs, old_log_probs, advantages, mask, settings)
+    ratio = policy.ratio  # [N, T], or [N, 1] at the sequence level
+    per_token = -policy.objective.expand_as(log_probs)  # [N, T]
     if rollout_weights is not None:
         per_token = per_token * rollout_weights
     kl = None
@@ -271,7 +282,7 @@ def grpo_loss(
     loss = aggregate(per_token, mask, settings.aggregation, step)
 
     with torch.no_grad():
-        was_clipped = (clipped < unclipped) & tokens  # the min took the clipped (constant) branch
+        was_clipped = policy.clipped.expand_as(tokens) & tokens  # the gradient stopped by a clip
         metrics = {
             "tokens": tokens.sum(),
             "clipped_high": (was_clipped & (advantages > 0)).sum(),  # rho > 1 + clip_eps_high

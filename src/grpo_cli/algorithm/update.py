@@ -274,6 +274,14 @@ def loss_settings(trainer: TrainerConfig, beta: float) -> LossSettings:
         kl_estimator=trainer.kl_estimator,
         aggregation=trainer.loss_aggregation,
         kl_importance_correction=trainer.kl_importance_correction,
+        loss=trainer.loss,
+        importance_sampling_level=trainer.importance_sampling_level,
+        delta=trainer.delta,
+        dual_clip=trainer.dual_clip,
+        cispo_ratio_min=trainer.cispo_ratio_min,
+        cispo_ratio_max=trainer.cispo_ratio_max,
+        sapo_temperature_pos=trainer.sapo_temperature_pos,
+        sapo_temperature_neg=trainer.sapo_temperature_neg,
     )
 
 
