@@ -181,3 +181,50 @@ def test_normalize_each_weights_after_normalizing_and_per_group():
         pytest.approx([-2.121291, 2.121291], abs=1e-5),
         pytest.approx([-2.121318, 2.121318], abs=1e-5),
     ]
+
+
+def trl_normalize_then_sum(per_function: list[list[list[float]]], weights: list[float]) -> list[float]:
+    """TRL 1.16's multi_objective_aggregation="normalize_then_sum" (GDPO), transcribed: each
+    function's z-score within its group (sample std + 1e-4), the weighted sum (NaN as 0), then
+    (R - mean over the batch) / (std over the batch + 1e-4). per_function[k][b][g]."""
+    groups, size = len(per_function[0]), len(per_function[0][0])
+    totals = []
+    for b in range(groups):
+        for g in range(size):
+            total = 0.0
+            for k, scores in enumerate(per_function):
+                row = [x for x in scores[b] if not math.isnan(x)]
+                mean = sum(row) / len(row)
+                std = math.sqrt(sum((x - mean) ** 2 for x in row) / (len(row) - 1))
+                value = scores[b][g]
+                total += 0.0 if math.isnan(value) else weights[k] * (value - mean) / (std + 1e-4)
+            totals.append(total)
+    mean = sum(totals) / len(totals)
+    std = math.sqrt(sum((x - mean) ** 2 for x in totals) / (len(totals) - 1))
+    return [(x - mean) / (std + 1e-4) for x in totals]
+
+
+def test_normalize_then_sum_is_normalize_each_with_the_batch_std():
+    # TRL's GDPO aggregation equals ours: reward.normalize_each=true, trainer.advantage=batch_std
+    # (the summed z-scores have group mean 0, so centring by group or by batch is the same).
+    generator = torch.Generator().manual_seed(3)
+    accuracy = (torch.rand(3, 4, generator=generator) > 0.5).float()
+    accuracy[0] = torch.tensor([1.0, 0.0, 0.0, 1.0])
+    length = torch.randn(3, 4, generator=generator) * 50
+    length[1, 2] = math.nan  # no opinion
+    weights = {"accuracy": 1.0, "length": 0.3}
+    shaped = combine_rewards({"accuracy": accuracy, "length": length}, weights, normalize_each=True)
+    ours = group_advantages(shaped, std_eps=1e-4, std_threshold=1e-6, mode="batch_std").values
+    expected = trl_normalize_then_sum([accuracy.tolist(), length.tolist()], [1.0, 0.3])
+    assert ours.tolist() == pytest.approx(expected, abs=1e-5)
+
+
+def test_normalize_then_sum_by_its_trl_name_sets_both_keys():
+    from omegaconf import OmegaConf
+
+    from grpo_cli.config import Config, advantage_mode, normalizes_each
+
+    cfg = OmegaConf.structured(Config)
+    assert not normalizes_each(cfg.reward) and advantage_mode(cfg) == "grpo"
+    cfg.reward.multi_objective_aggregation = "normalize_then_sum"
+    assert normalizes_each(cfg.reward) and advantage_mode(cfg) == "batch_std"

@@ -144,6 +144,18 @@ def test_a_wrong_type_is_rejected_by_the_schema():
         (["trainer.cispo_ratio_min=1.2"], "trainer.cispo_ratio_min=1.2 must be in [0, 1)"),
         (["trainer.sapo_temperature_neg=0"], "trainer.sapo_temperature_neg=0.0 must be positive"),
         (["trainer.sapo_temperature_pos=inf"], "trainer.sapo_temperature_pos=inf"),
+        (["trainer.entropy_coef=nan"], "trainer.entropy_coef=nan must be a finite number"),
+        (["trainer.top_entropy_quantile=1.5"], "trainer.top_entropy_quantile=1.5 must be in [0, 1]"),
+        (["trainer.top_entropy_quantile=-0.1"], "trainer.top_entropy_quantile=-0.1 must be in [0, 1]"),
+        (["reward.multi_objective_aggregation=gdpo"], "reward.multi_objective_aggregation='gdpo'"),
+        (
+            ["reward.multi_objective_aggregation=normalize_then_sum", "trainer.advantage=rloo"],
+            "trainer.advantage=rloo contradicts",
+        ),
+        (
+            ["reward.multi_objective_aggregation=sum_then_normalize", "reward.normalize_each=true"],
+            "reward.normalize_each=true contradicts",
+        ),
         (["sampler=vllm", "sampler.vllm.dtype=fp8"], "sampler.vllm.dtype='fp8'"),
         (["sampler=vllm", "sampler.vllm.kv_cache_gb=-1"], "sampler.vllm.kv_cache_gb=-1"),
         (["sampler=vllm", "sampler.vllm.gpu_memory_utilization=1.5"], "sampler.vllm.gpu_memory_utilization=1.5"),

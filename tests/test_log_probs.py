@@ -37,15 +37,18 @@ def rows(prompts: int = 2, group_size: int = 4, prompt_length: int = 7, length: 
 
 
 def log_probs_and_grads(model, batch, group_size, through_head, temperature=0.7):
-    """(log-probs, entropies, parameter gradients) of a random weighting of the log-probs,
-    positions past each completion's end zeroed (the head path leaves them 0)."""
+    """(log-probs, entropies, parameter gradients) of a random weighting of the log-probs and
+    the entropies (the entropy bonus's gradient), positions past each completion's end zeroed
+    (the head path leaves them 0)."""
     model.zero_grad(set_to_none=True)
     log_probs, entropy = completion_log_probs(model, *batch, temperature, True, group_size, through_head)
     mask = batch[3].to(log_probs.dtype)
-    weights = torch.randn(log_probs.shape, generator=torch.Generator().manual_seed(2), dtype=log_probs.dtype)
-    (log_probs * mask * weights).sum().backward()
+    generator = torch.Generator().manual_seed(2)
+    weights = torch.randn(log_probs.shape, generator=generator, dtype=log_probs.dtype)
+    entropy_weights = torch.randn(log_probs.shape, generator=generator, dtype=log_probs.dtype)
+    ((log_probs * weights + entropy * entropy_weights) * mask).sum().backward()
     grads = [p.grad.clone() if p.grad is not None else None for p in model.parameters()]
-    return (log_probs * mask).detach(), entropy * mask, grads
+    return (log_probs * mask).detach(), (entropy * mask).detach(), grads
 
 
 @pytest.mark.parametrize("tied", [True, False])

@@ -619,3 +619,27 @@ def test_log_probs_and_entropy_at_the_sampling_temperature(temperature):
     probs = torch.softmax(logits.detach()[:, :3] / temperature, dim=-1)
     entropy = -(probs * probs.log()).sum(-1)
     assert torch.allclose(token_entropy(logits.detach(), 3, temperature, chunk_rows=2), entropy, atol=1e-12)
+
+
+@pytest.mark.parametrize("temperature", [0.7, 1.3])
+def test_the_entropys_gradient_is_autograds_through_minus_sum_p_log_p(temperature):
+    # the entropy bonus differentiates H: our by-block backward against autograd's of the formula
+    torch.manual_seed(5)
+    logits = torch.randn(2, 4, 11, dtype=F64, requires_grad=True)
+    weights = torch.randn(2, 3, dtype=F64)
+    (token_entropy(logits, 3, temperature, chunk_rows=2) * weights).sum().backward()
+    ours = logits.grad.clone()
+    logits.grad = None
+    log_p = torch.log_softmax(logits[:, :3] / temperature, dim=-1)
+    (-(log_p.exp() * log_p).sum(-1) * weights).sum().backward()
+    assert torch.allclose(ours, logits.grad, atol=1e-12)
+    assert torch.equal(ours[:, 3], torch.zeros(2, 11, dtype=F64))  # past `length`: no gradient
+    assert torch.autograd.gradcheck(
+        lambda x: token_entropy(x, 3, temperature, chunk_rows=3), (logits.detach().requires_grad_(),)
+    )
+
+
+def test_the_uniform_distribution_has_the_largest_entropy_and_no_gradient():
+    logits = torch.zeros(1, 1, 5, dtype=F64, requires_grad=True)
+    token_entropy(logits).sum().backward()
+    assert torch.equal(logits.grad, torch.zeros_like(logits))

@@ -8,7 +8,10 @@ random step of test_objective.py; then small cases worked by hand.
            (GRPO eq. 3; delta: INTELLECT-2's two-sided clip; c: dual-clip PPO, Ye et al. 2020)
     cispo  f = sg(clip(r, r_min, r_max)) A logp           (MiniMax-M1's J_CISPO)
     sapo   f = sigmoid(tau (r - 1)) 4 / tau  A,  tau = tau_pos if A > 0 else tau_neg   (SAPO's gate)
-    loss = -sum_i w_i sum_t m_it (f_it - beta KL_it)      w_i as in test_objective.py
+    loss = -sum_i w_i sum_t m_it (k_it f_it - beta KL_it + c k_it H_it)   w_i as in test_objective.py
+    entropy controls: c = entropy_coef (the bonus), k_it = 1 if H_it >= the (1 - q) quantile of
+    the masked H (linear interpolation between order statistics), else 0; k = 1 when q = 1
+    ("Beyond the 80/20 rule": the policy term on the high-entropy tokens, the KL on all)
 
 The expected values are never computed with the function under test.
 """
@@ -37,10 +40,25 @@ from test_objective import (
 )
 
 
-def paper_variant(log_probs, old, ref, advantages, mask, settings: dict, aggregation: str):
+def paper_quantile(values: list[float], level: float) -> float:
+    """The `level` quantile of `values` by linear interpolation between the sorted values (numpy's
+    default, "type 7"): position (n - 1) * level."""
+    ordered = sorted(values)
+    position = (len(ordered) - 1) * level
+    below = math.floor(position)
+    above = min(below + 1, len(ordered) - 1)
+    return ordered[below] + (ordered[above] - ordered[below]) * (position - below)
+
+
+def paper_variant(log_probs, old, ref, advantages, mask, settings: dict, aggregation: str, entropy=None):
     """-J by explicit loops for one objective; returns (loss, tokens whose ratio's gradient a clip stopped)."""
     num_sequences, length = log_probs.shape
     total_tokens = int(mask.sum())
+    quantile = settings.get("top_q", 1.0)
+    coef = settings.get("entropy_coef", 0.0)
+    if quantile < 1.0:
+        masked = [entropy[i, t].item() for i in range(num_sequences) for t in range(length) if mask[i, t]]
+        threshold = paper_quantile(masked, 1.0 - quantile)
     objective = torch.zeros((), dtype=F64)
     stopped = 0
     for i in range(num_sequences):
@@ -75,7 +93,10 @@ def paper_variant(log_probs, old, ref, advantages, mask, settings: dict, aggrega
                 term = torch.sigmoid(tau * (rho - 1)) * 4 / tau * advantage
             else:
                 raise AssertionError(loss)
-            row_sum = row_sum + term - BETA * paper_kl(log_probs[i, t], ref[i, t], "k3")
+            kept = quantile >= 1.0 or entropy[i, t].item() >= threshold
+            if kept:
+                row_sum = row_sum + term + (coef * entropy[i, t] if coef else 0.0)
+            row_sum = row_sum - BETA * paper_kl(log_probs[i, t], ref[i, t], "k3")
         if aggregation == "sequence_mean":
             if positions:
                 objective = objective + row_sum / len(positions) / num_sequences
@@ -100,6 +121,8 @@ def ours_settings(settings: dict, aggregation: str) -> LossSettings:
         cispo_ratio_max=settings.get("ratio_max", 5.0),
         sapo_temperature_pos=settings.get("tau_pos", 1.0),
         sapo_temperature_neg=settings.get("tau_neg", 1.05),
+        entropy_coef=settings.get("entropy_coef", 0.0),
+        top_entropy_quantile=settings.get("top_q", 1.0),
     )
 
 
@@ -110,17 +133,22 @@ class RandomStep:
     ref: torch.Tensor  # [N, T]
     advantages: torch.Tensor  # [N]
     mask: torch.Tensor  # [N, T]
+    entropy: torch.Tensor  # [N, T] the policy's entropies, from 0 to 4 nats
+    entropy_grad: torch.Tensor | None = None  # d loss / d entropy (the bonus), once our loss ran
 
 
 def ours_on_the_random_step(settings: dict, aggregation: str):
     """Our loss on test_objective's random step: (the step, loss, metrics, the log-prob leaf)."""
     rewards, log_probs, old, ref, mask = random_step()
+    entropy = torch.rand(log_probs.shape, generator=torch.Generator().manual_seed(7), dtype=F64) * 4
     advantages = group_advantages(rewards, STD_EPS, STD_THRESHOLD).values
     step = LossDenominators(sequences=mask.shape[0], tokens=int(mask.sum()), max_new_tokens=MAX_NEW_TOKENS)
-    leaf = log_probs.clone().requires_grad_()
-    loss, metrics = grpo_loss(leaf, old, ref, advantages, mask, ours_settings(settings, aggregation), step)
+    leaf, entropy_leaf = log_probs.clone().requires_grad_(), entropy.clone().requires_grad_()
+    ours = ours_settings(settings, aggregation)
+    loss, metrics = grpo_loss(leaf, old, ref, advantages, mask, ours, step, entropy=entropy_leaf)
     loss.backward()
-    return RandomStep(log_probs, old, ref, advantages, mask), loss, metrics, leaf
+    grad = entropy_leaf.grad if entropy_leaf.grad is not None else torch.zeros_like(entropy)
+    return RandomStep(log_probs, old, ref, advantages, mask, entropy, grad), loss, metrics, leaf
 
 
 # old = logp + noise of std 0.3: token ratios from about 0.4 to 2.5. Each case sets its bounds
@@ -137,6 +165,11 @@ CASES = {
     "sapo": dict(loss="sapo", tau_pos=1.0, tau_neg=1.05),
     "sapo-steep": dict(loss="sapo", tau_pos=3.0, tau_neg=8.0),
     "sapo-sequence": dict(loss="sapo", level="sequence", tau_pos=1.0, tau_neg=1.05),
+    "entropy bonus": dict(eps_low=0.2, eps_high=0.2, entropy_coef=0.01),
+    "top 20% by entropy": dict(eps_low=0.2, eps_high=0.28, top_q=0.2),
+    "top 50% by entropy, a bonus on them, cispo": dict(
+        loss="cispo", ratio_min=None, ratio_max=1.3, top_q=0.5, entropy_coef=0.05
+    ),
 }
 
 
@@ -146,12 +179,21 @@ def test_each_objective_equals_its_literal_formula_in_value_and_gradient(case, a
     settings = CASES[case]
     step, ours, metrics, ours_input = ours_on_the_random_step(settings, aggregation)
     log_probs, old, ref, advantages, mask = step.log_probs, step.old, step.ref, step.advantages, step.mask
-    paper_input = log_probs.clone().requires_grad_()
-    paper, stopped = paper_variant(paper_input, old, ref, advantages.tolist(), mask, settings, aggregation)
+    paper_input, paper_entropy = log_probs.clone().requires_grad_(), step.entropy.clone().requires_grad_()
+    paper, stopped = paper_variant(
+        paper_input, old, ref, advantages.tolist(), mask, settings, aggregation, paper_entropy
+    )
     paper.backward()
 
     assert torch.allclose(ours, paper, atol=1e-10), (ours.item(), paper.item())
     assert torch.allclose(ours_input.grad, paper_input.grad, atol=1e-10)
+    paper_entropy_grad = paper_entropy.grad if paper_entropy.grad is not None else torch.zeros_like(step.entropy)
+    assert torch.allclose(step.entropy_grad, paper_entropy_grad, atol=1e-12)
+    if settings.get("entropy_coef"):
+        assert step.entropy_grad.abs().sum() > 0
+    if settings.get("top_q", 1.0) < 1.0:  # the mask keeps about q of the loss tokens, and no other
+        kept = metrics["entropy_kept"].item() / mask.sum().item()
+        assert abs(kept - settings["top_q"]) < 0.05, kept
     assert torch.equal(ours_input.grad[mask == 0], torch.zeros(int((mask == 0).sum()), dtype=F64))
     if settings.get("loss", "clip") == "clip":
         assert stopped > 0  # the data reach the clip, or the comparison would not test it
@@ -170,12 +212,9 @@ def test_the_cases_reach_every_bound_they_set():
 
 def test_the_objectives_differ_from_each_other_on_this_step():
     """Each case changes the loss against the paper's clip (with its eps) on the random step."""
-    rewards, log_probs, old, ref, mask = random_step()
-    advantages = group_advantages(rewards, STD_EPS, STD_THRESHOLD).values
-    step = LossDenominators(sequences=mask.shape[0], tokens=int(mask.sum()), max_new_tokens=MAX_NEW_TOKENS)
     losses = {}
     for case, settings in {"paper": dict(eps_low=0.2, eps_high=0.28), **CASES}.items():
-        losses[case] = grpo_loss(log_probs, old, ref, advantages, mask, ours_settings(settings, "token_mean"), step)[0]
+        losses[case] = ours_on_the_random_step(settings, "token_mean")[1].detach()
     assert len({round(float(loss), 9) for loss in losses.values()}) == len(losses), losses
 
 

@@ -8,7 +8,9 @@ import re
 
 import pytest
 
-from grpo_cli.rewards import format_reward, length_penalty, math_accuracy, repetition_penalty
+from grpo_cli.config import ConfigError
+from grpo_cli.rewards import format_reward, length_penalty, math_accuracy, overlong_penalty, repetition_penalty
+from grpo_cli.rewards.api import RewardScorer
 from shared_data import shared_file
 
 
@@ -72,6 +74,52 @@ def test_length_penalty_counts_tokens_beyond_the_target_and_is_never_positive():
     # Without token counts, whitespace words: "a b c d e f" is 6 words -> -0.2
     assert length_penalty([""], ["a b c d e f"], target=4, coef=0.1) == pytest.approx([-0.2])
     assert length_penalty([""], ["word " * 1000]) == pytest.approx([-0.001 * (1000 - 256)])
+
+
+def dapo_overlong(length: int, max_length: int, cache: int) -> float:
+    """DAPO eq. 13, transcribed: 0 | ((L_max - L_cache) - |y|) / L_cache | -1."""
+    if length <= max_length - cache:
+        return 0.0
+    if length <= max_length:
+        return ((max_length - cache) - length) / cache
+    return -1.0
+
+
+def test_overlong_penalty_is_dapos_soft_punishment_by_hand_and_at_every_length():
+    # L = 100, C = 20: 80 tokens -> 0, 81 -> -0.05, 90 -> -0.5, 100 (truncated) -> -1
+    scores = overlong_penalty(
+        [""] * 5, ["a"] * 5, completion_length=[10, 80, 81, 90, 100], max_new_tokens=100, buffer=20
+    )
+    assert scores == pytest.approx([0.0, 0.0, -0.05, -0.5, -1.0])
+    lengths = list(range(1, 131))
+    for buffer in (1, 7, 20, 100):
+        ours = overlong_penalty([""] * 130, ["a"] * 130, completion_length=lengths, max_new_tokens=100, buffer=buffer)
+        assert ours == pytest.approx([dapo_overlong(n, 100, buffer) for n in lengths])
+    # the default buffer is a fifth of max_new_tokens; coef scales it
+    assert overlong_penalty([""], ["a"], completion_length=[90], max_new_tokens=100, coef=0.5) == pytest.approx([-0.25])
+
+
+def test_overlong_penalty_equals_trls_soft_overlong_punishment():
+    rewards = pytest.importorskip("trl.rewards")
+    theirs = rewards.get_soft_overlong_punishment(max_completion_len=64, soft_punish_cache=16)
+    lengths = list(range(1, 80))
+    expected = theirs(completion_ids=[[1] * n for n in lengths])
+    ours = overlong_penalty(
+        [""] * len(lengths), ["a"] * len(lengths), completion_length=lengths, max_new_tokens=64, buffer=16
+    )
+    assert ours == pytest.approx(expected)
+
+
+def test_the_trainer_gives_overlong_penalty_max_new_tokens_and_refuses_a_bad_buffer():
+    entries = [{"_target_": "grpo_cli.rewards.overlong_penalty", "buffer": 4}]
+    scorer = RewardScorer(entries, max_new_tokens=16)
+    rewards = scorer.score_texts([""] * 2, ["a", "b"], {"completion_length": [12, 16]}, (1, 2))
+    assert rewards.total.flatten().tolist() == pytest.approx([0.0, -1.0])
+    with pytest.raises(
+        ConfigError,
+        match=r"reward.functions\[0\] \(overlong_penalty\): .*buffer=40 must be between 1 and max_new_tokens=16",
+    ):
+        RewardScorer([{"_target_": "grpo_cli.rewards.overlong_penalty", "buffer": 40}], max_new_tokens=16)
 
 
 def test_repetition_penalty_by_hand():

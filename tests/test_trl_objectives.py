@@ -12,6 +12,11 @@ with beta 0.04, use_bias_correction_kl=False):
   epsilon_high=X (TRL's CISPO has no lower bound and always divides by the step's tokens)
 - loss=sapo, sapo_temperature_pos/neg, sequence_mean -> loss_type="sapo", the same temperatures
 - delta=X -> delta=X, loss_type="grpo"
+- entropy_coef=c, token_mean -> entropy_coef=c, loss_type="bnpo" (TRL averages the bonus over
+  the tokens it acts on; with top_entropy_quantile too, TRL's bonus divides by the kept tokens,
+  ours by all loss tokens, as the loss: not compared)
+- top_entropy_quantile=q -> top_entropy_quantile=q (TRL takes the quantile per _compute_loss
+  call, ours per micro-batch: the same here, one call)
 trainer.dual_clip has no TRL counterpart (verl's clip_ratio_c): its formula test is in
 test_objectives.py only.
 """
@@ -52,6 +57,16 @@ CASES = {
             loss_type="sapo", importance_sampling_level="sequence", sapo_temperature_pos=3.0, sapo_temperature_neg=8.0
         ),
     ),
+    "entropy bonus": (
+        dict(eps_low=0.2, eps_high=0.2, entropy_coef=0.01),
+        "token_mean",
+        dict(loss_type="bnpo", entropy_coef=0.01),
+    ),
+    "top 20% by entropy": (
+        dict(eps_low=0.2, eps_high=0.2, top_q=0.2),
+        "sequence_mean",
+        dict(loss_type="grpo", top_entropy_quantile=0.2),
+    ),
     "delta (INTELLECT-2)": (
         dict(eps_low=0.2, eps_high=0.2, delta=1.5),
         "sequence_mean",
@@ -66,13 +81,14 @@ def baseline():
     return load_script("trl_baseline")
 
 
-def trl_loss_and_gradient(trainer, log_probs, old, ref, advantages, mask):
-    """TRL's _compute_loss on these tensors, its forward replaced by `log_probs`: (loss, d loss / d log_probs)."""
-    leaf = log_probs.clone().requires_grad_()
+def trl_loss_and_gradient(trainer, log_probs, old, ref, advantages, mask, entropy):
+    """TRL's _compute_loss on these tensors, its forward replaced by `log_probs` and `entropy`:
+    (loss, d loss / d log_probs, d loss / d entropy)."""
+    leaf, entropy_leaf = log_probs.clone().requires_grad_(), entropy.clone().requires_grad_()
     count, length = mask.shape
 
     def given_log_probs(model, input_ids, attention_mask, logits_to_keep, compute_entropy=False, **kwargs):
-        return leaf, torch.zeros(count, length, dtype=leaf.dtype), None
+        return leaf, entropy_leaf, None
 
     trainer._get_per_token_logps_and_entropies = given_log_probs
     trainer.current_gradient_accumulation_steps = 1  # set by transformers' loop for each optimizer step
@@ -89,7 +105,8 @@ def trl_loss_and_gradient(trainer, log_probs, old, ref, advantages, mask):
     }
     loss = trainer._compute_loss(trainer.model, inputs)
     loss.backward()
-    return loss.detach(), leaf.grad
+    entropy_grad = entropy_leaf.grad if entropy_leaf.grad is not None else torch.zeros_like(entropy)
+    return loss.detach(), leaf.grad, entropy_grad
 
 
 @pytest.mark.parametrize("case", list(CASES))
@@ -108,7 +125,9 @@ def test_objective_equals_trls_compute_loss_on_the_same_tensors(baseline, tiny_m
         output_dir=str(tmp_path),
         config_overrides=trl_fields,
     )
-    theirs, their_grad = trl_loss_and_gradient(trainer, step.log_probs, step.old, step.ref, step.advantages, step.mask)
+    theirs, their_grad, their_entropy_grad = trl_loss_and_gradient(
+        trainer, step.log_probs, step.old, step.ref, step.advantages, step.mask, step.entropy
+    )
     print(f"{case}: loss ours {ours.item():.12g} TRL {theirs.item():.12g}")
     # float64 on both sides; TRL builds SAPO's temperatures as float32 tensors (torch.where of two
     # Python floats), which rounds 1.05 by 5e-8: 1e-9 would fail on that alone, a formula
@@ -116,3 +135,4 @@ def test_objective_equals_trls_compute_loss_on_the_same_tensors(baseline, tiny_m
     assert ours.item() == pytest.approx(theirs.item(), abs=1e-7, rel=1e-6)
     assert torch.allclose(ours_input.grad, their_grad.to(F64), atol=1e-7, rtol=1e-6)
     assert their_grad.abs().sum() > 0
+    assert torch.allclose(step.entropy_grad, their_entropy_grad.to(F64), atol=1e-9)

@@ -348,3 +348,17 @@ def test_micro_batches_by_a_token_budget_give_the_whole_steps_gradient(tiny_mode
     assert all(rows * (prompt + width) <= budget or rows == 1 for rows, width, _ in policy_passes[1:])
     for key in ("loss", "kl", "entropy", "grad_norm"):
         assert getattr(by_tokens.stats, key) == pytest.approx(getattr(whole.stats, key), rel=1e-4, abs=1e-6), key
+
+
+def test_the_entropy_controls_reach_the_update(tiny_model_dir):
+    # top_entropy_quantile keeps about that fraction of the loss tokens (logged), entropy_coef
+    # moves the gradient; with mu = 2 the entropy is computed in every pass, not only the first.
+    settings = ("trainer.num_iterations=2", "trainer.beta=0.04")
+    plain = one_step(config(tiny_model_dir, *settings)).stats
+    masked = one_step(config(tiny_model_dir, *settings, "trainer.top_entropy_quantile=0.25")).stats
+    bonus = one_step(config(tiny_model_dir, *settings, "trainer.entropy_coef=0.5")).stats
+    assert plain.entropy_kept_fraction is None
+    assert masked.entropy_kept_fraction == pytest.approx(0.25, abs=0.05)
+    assert masked.grad_norm != pytest.approx(plain.grad_norm, rel=1e-3)
+    assert bonus.grad_norm != pytest.approx(plain.grad_norm, rel=1e-3)
+    assert bonus.entropy == pytest.approx(plain.entropy, rel=1e-6)  # the first pass's metric: before any step

@@ -9,8 +9,8 @@ Layout of one checkpoint, `OUTPUT_DIR/checkpoints/step-000050/`:
   incomplete and never resumed from.
 Each checkpoint is written into a hidden temporary folder, flushed to disk, then renamed into
 place (and the rename flushed), so a run killed mid-save leaves the previous checkpoints
-intact. Kept: the newest `trainer.keep_last` and the `trainer.keep_best` with the highest mean
-reward.
+intact. Kept: the newest `trainer.keep_last` and the `trainer.keep_best` with the best
+`trainer.best_metric` (meta.json's `best_value`; the mean reward by default).
 """
 
 from __future__ import annotations
@@ -97,7 +97,7 @@ def save_checkpoint(
     model_state: Optional[dict[str, Any]] = None,
 ) -> Path:
     """Write checkpoint `step` atomically, then delete all but the newest `keep_last` and the
-    `keep_best` with the highest `reward_mean` in their meta.json. `model_state`: the policy's
+    `keep_best` best by their meta.json (ranking_value). `model_state`: the policy's
     full state dict when the model itself holds only shards (FSDP); else the model is read.
 
     A failure while writing (disk full, ...) removes the partial copy and raises CheckpointError
@@ -163,12 +163,29 @@ def non_finite_tensor(state: dict[str, Any]) -> Optional[str]:
     return None
 
 
+def ranking_value(meta: dict[str, Any]) -> tuple[str, Optional[float]]:
+    """(the metric a checkpoint is ranked by, its value with the higher the better), from its
+    meta.json: `best_metric`, `best_value` and `best_metric_mode` (trainer.best_metric), or
+    reward/mean for checkpoints written before those keys. No value (an eval metric at a step
+    without eval): None, never the best."""
+    if "best_metric" not in meta:
+        value = meta.get("reward_mean")
+        return "reward/mean", float(value) if isinstance(value, (int, float)) else None
+    value = meta.get("best_value")
+    if not isinstance(value, (int, float)) or isinstance(value, bool) or value != value:  # NaN
+        return str(meta["best_metric"]), None
+    return str(meta["best_metric"]), -float(value) if meta.get("best_metric_mode") == "min" else float(value)
+
+
 def checkpoints_to_delete(checkpoints: list[Path], keep_last: int, keep_best: int) -> list[Path]:
-    """All but the newest `keep_last` (oldest first in `checkpoints`) and the `keep_best` with
-    the highest reward_mean (ties: the newer one)."""
+    """All but the newest `keep_last` (oldest first in `checkpoints`) and the `keep_best` best by
+    the newest checkpoint's metric (ranking_value; ties: the newer one). Checkpoints ranked by
+    another metric (the run was resumed with another trainer.best_metric) are not compared."""
     newest = set(checkpoints[-keep_last:]) if keep_last > 0 else set()
-    scored = [(read_meta(path).get("reward_mean"), index, path) for index, path in enumerate(checkpoints)]
-    ranked = sorted((item for item in scored if isinstance(item[0], (int, float))), reverse=True)
+    ranks = [ranking_value(read_meta(path)) for path in checkpoints]
+    metric = ranks[-1][0] if ranks else None
+    scored = [(value, index, path) for index, ((name, value), path) in enumerate(zip(ranks, checkpoints))]
+    ranked = sorted((item for item in scored if item[0] is not None and ranks[item[1]][0] == metric), reverse=True)
     best = {path for _, _, path in ranked[:keep_best]}
     return [path for path in checkpoints if path not in newest | best]
 
@@ -181,7 +198,8 @@ def read_meta(checkpoint: Path) -> dict[str, Any]:
 
 
 def best_checkpoint(output_dir: Path) -> Optional[Path]:
-    """The complete checkpoint with the highest reward_mean (ties: the newest); None if none."""
+    """The complete checkpoint best by trainer.best_metric (checkpoints_to_delete; ties: the
+    newest); None if none has a value."""
     kept = complete_checkpoints(output_dir)
     survivors = [path for path in kept if path not in checkpoints_to_delete(kept, 0, 1)]
     return survivors[0] if survivors else None

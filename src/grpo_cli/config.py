@@ -21,6 +21,7 @@ from omegaconf import MISSING, OmegaConf
 # validate; the stages that read them import them from here, so composing and validating a
 # config never imports torch.
 ADVANTAGE_MODES = ("grpo", "rloo", "dr_grpo", "batch_std", "reinforce_baseline")  # trainer.advantage
+MULTI_OBJECTIVE_AGGREGATIONS = ("sum_then_normalize", "normalize_then_sum")  # reward.multi_objective_aggregation
 OBJECTIVES = ("clip", "cispo", "sapo")  # trainer.loss (algorithm/objectives.py)
 IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence")  # trainer.importance_sampling_level
 AGGREGATIONS = ("sequence_mean", "token_mean", "constant")  # trainer.loss_aggregation
@@ -208,6 +209,10 @@ class RewardConfig:
     normalize_each: bool = False
     """Z-score each function's scores within their group before the weighted sum, so a reward on a
     large scale does not drown a small one. The logged reward/mean stays the plain weighted sum."""
+    multi_objective_aggregation: Optional[str] = None
+    """TRL's name for the same choice: normalize_then_sum (GDPO) = normalize_each with the batch
+    std of trainer.advantage=batch_std, which it sets; sum_then_normalize = normalize_each off;
+    null: normalize_each and trainer.advantage decide."""
 
 
 @dataclass
@@ -283,6 +288,12 @@ class TrainerConfig:
     """loss=sapo: the gate's temperature for tokens with A > 0 (larger: the gate closes sooner)."""
     sapo_temperature_neg: float = 1.05
     """loss=sapo: ... for A <= 0 (SAPO's default is larger: negative updates are damped more)."""
+    entropy_coef: float = 0.0
+    """Entropy bonus: loss - entropy_coef * H, H the policy's per-token entropy aggregated as the
+    loss (verl's entropy_coeff, TRL's entropy_coef); 0 = none (the paper). Typically 1e-3."""
+    top_entropy_quantile: float = 1.0
+    """Train the policy term on the top-q fraction of each micro-batch's tokens by entropy only
+    ("Beyond the 80/20 rule": 0.2; TRL's top_entropy_quantile); 1.0 = every token."""
     loss_aggregation: str = "sequence_mean"
     """sequence_mean (the paper: per-sequence mean, then over sequences) | token_mean (DAPO: all
     tokens of the step weigh the same) | constant (Dr. GRPO: token sums / max_new_tokens)."""
@@ -330,7 +341,12 @@ class TrainerConfig:
     keep_last: int = 3
     """The newest checkpoints kept on disk; older ones are deleted (except the best, below)."""
     keep_best: int = 1
-    """Also keep this many checkpoints with the highest mean reward (0: only the newest)."""
+    """Also keep this many checkpoints with the best trainer.best_metric (0: only the newest)."""
+    best_metric: str = "reward/mean"
+    """The logged metric that ranks checkpoints for keep_best and `grpo-export RUN --best`, e.g.
+    eval/accuracy (the greedy eval: checkpoint on eval steps, checkpoint_every a multiple of eval_every)."""
+    best_metric_mode: str = "max"
+    """max (the higher the better: rewards, accuracy) | min (loss, kl)."""
     resume: Any = False
     """false | true (newest checkpoint in output_dir) | a checkpoint folder."""
     seed: int = 0
@@ -380,6 +396,14 @@ class LoggerConfig:
 
 
 @dataclass
+class EvalConfig:
+    functions: Optional[list[Any]] = None
+    """Reward functions the greedy eval scores with (the reward API, as reward.functions), each
+    logged as eval/<name>; eval/accuracy is the first one's mean, eval/reward their weighted sum.
+    null: the training rewards. Example: train on accuracy + a format bonus, evaluate on accuracy."""
+
+
+@dataclass
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
@@ -388,6 +412,7 @@ class Config:
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     logger: LoggerConfig = field(default_factory=LoggerConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
 
 
 GROUP_SCHEMAS = {
@@ -496,3 +521,17 @@ def resume_mode(resume: Any) -> Optional[str]:
     if resume is True or str(resume).lower() == "true":
         return "latest"
     return str(resume)
+
+
+def normalizes_each(reward: Any) -> bool:
+    """Whether each reward function is z-scored in its group (reward.normalize_each, or TRL's
+    reward.multi_objective_aggregation=normalize_then_sum)."""
+    return bool(reward.normalize_each) or reward.get("multi_objective_aggregation") == "normalize_then_sum"
+
+
+def advantage_mode(cfg: Any) -> str:
+    """trainer.advantage, except batch_std under reward.multi_objective_aggregation=normalize_then_sum
+    (TRL's: the sum of group z-scores normalized by the batch's std; validate refuses another mode)."""
+    if cfg.reward.get("multi_objective_aggregation") == "normalize_then_sum":
+        return "batch_std"
+    return cfg.trainer.advantage

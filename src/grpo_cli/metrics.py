@@ -46,6 +46,8 @@ def step_metrics(
         metrics["sampler/logprob_mismatch"] = stats.logprob_mismatch
         metrics["sampler/logprob_mismatch_max"] = stats.logprob_mismatch_max
         metrics["rollout_correction/capped_fraction"] = stats.corrected_fraction
+    if stats.entropy_kept_fraction is not None:  # trainer.top_entropy_quantile < 1
+        metrics["entropy/kept_fraction"] = stats.entropy_kept_fraction
     if len(stats.clip_fraction_by_pass) > 1:  # mu > 1: pass 1 never clips, the later ones show the drift
         for index, fraction in enumerate(stats.clip_fraction_by_pass, start=1):
             metrics[f"clip/fraction_pass{index}"] = fraction

@@ -21,7 +21,7 @@ from grpo_cli.algorithm.advantages import group_advantages
 from grpo_cli.algorithm.optim import make_optimizer, make_scheduler
 from grpo_cli.algorithm.update import update_policy
 from grpo_cli.checkpoint import latest_checkpoint
-from grpo_cli.config import BetaSchedule, ConfigError, beta_schedule, boosted_group_size
+from grpo_cli.config import BetaSchedule, ConfigError, advantage_mode, beta_schedule, boosted_group_size
 from grpo_cli.console import sample_entries
 from grpo_cli.data.prompts import PromptSource, train_and_eval_rows
 from grpo_cli.distributed import (
@@ -78,6 +78,7 @@ class RunParts:
     scheduler: torch.optim.lr_scheduler.LRScheduler
     betas: BetaSchedule
     world: World = ONE_PROCESS  # this process's rank under torchrun
+    eval_scorer: Optional[RewardScorer] = None  # eval.functions' scorer; None: the training rewards
 
 
 @dataclass
@@ -108,12 +109,16 @@ def train(cfg: Any, world: World) -> RunResult:
     trainer = cfg.trainer
     output_dir = run_folder(trainer, world)
     resume_from = find_resume_checkpoint(trainer.resume, output_dir, report=print if world.is_main else ignore)
-    scorer = RewardScorer.from_config(cfg.reward, trainer.std_eps)  # imports each _target_: fails before loading
+    scorer = RewardScorer.from_config(
+        cfg.reward, trainer.std_eps, cfg.sampler.max_new_tokens
+    )  # imports each _target_: fails before loading
+    eval_scorer = scorer.for_eval(cfg)
     seed_everything(trainer.seed)
     device = resolve_device(rank_device(trainer.device, world))
     train_rows, eval_rows = train_and_eval_rows(cfg.data)
     check_memory(cfg, device, train_rows + eval_rows, output_dir, world)  # stops here if it will not fit
     parts = load_parts(cfg, scorer, train_rows, device, world, resume_from, eval_rows)
+    parts.eval_scorer = eval_scorer
     if world.is_main:
         print(parts.models.precision, flush=True)
     with contextlib.closing(parts.sampler):  # sampler=vllm: the engine goes at any end
@@ -151,6 +156,8 @@ def train_parts(
             for step in range(start_step + 1, trainer.steps + 1):
                 result = train_step(parts, step, state.adaptive.group_size, state.guard.beta_scale)
                 state.step, metrics, final = step, result.metrics, step == trainer.steps
+                if step == start_step + 1:  # a misspelt metric would rank no checkpoint: say it now
+                    check_best_metric(trainer.best_metric, metrics, eval_keys(parts, eval_rows))
                 if cfg.sampler.adaptive.enabled:
                     adapt_group_size(cfg.sampler, state.adaptive, step, metrics, log)
                 if eval_rows and (final or (trainer.eval_every and step % trainer.eval_every == 0)):
@@ -161,7 +168,14 @@ def train_parts(
                 log_step(log, trainer, step, result)
                 stopping = stop_requested(stop, world)
                 if final or (trainer.checkpoint_every and step % trainer.checkpoint_every == 0) or stopping:
-                    meta = {"reward_mean": metrics["reward/mean"], "kl": metrics["kl"], "beta": result.beta}
+                    meta = {
+                        "reward_mean": metrics["reward/mean"],
+                        "kl": metrics["kl"],
+                        "beta": result.beta,
+                        "best_metric": trainer.best_metric,  # what keep_best and grpo-export --best rank by
+                        "best_metric_mode": trainer.best_metric_mode,
+                        "best_value": metrics.get(trainer.best_metric),
+                    }
                     last_checkpoint = state.save(
                         output_dir, parts.models.tokenizer, meta, trainer.keep_last, trainer.keep_best
                     )
@@ -175,8 +189,28 @@ def train_parts(
             interrupted(log, step, output_dir)
     log.close()
     result = RunResult(output_dir, state.step, eval_before, eval_after, last_checkpoint)
-    summarize(log, result, state.step - start_step, time.perf_counter() - started, parts.scorer.names[1:])
+    summarize(log, result, state.step - start_step, time.perf_counter() - started, eval_scorer_of(parts).names[1:])
     return result
+
+
+def eval_keys(parts: RunParts, eval_rows: list[dict[str, Any]]) -> list[str]:
+    """The metric names the greedy eval logs (none without eval prompts)."""
+    if not eval_rows:
+        return []
+    names = ["eval/accuracy", "eval/reward", *(f"eval/{name}" for name in eval_scorer_of(parts).names)]
+    return names + (["eval/pass_at_k"] if parts.cfg.trainer.eval_pass_at_k else [])
+
+
+def check_best_metric(name: str, step_metrics: dict[str, Any], eval_names: list[str]) -> None:
+    """ConfigError unless trainer.best_metric is one of the metrics this run logs."""
+    logged = sorted({*step_metrics, *eval_names})
+    if name not in logged:
+        raise ConfigError(
+            f"trainer.best_metric={name} is not a metric this run logs, so no checkpoint could be "
+            f"ranked by it. The run's metrics: {', '.join(logged)}. Set trainer.best_metric to one "
+            "of them (reward/mean by default, eval/accuracy for the greedy eval); the run stopped "
+            "after its first step, before saving it."
+        )
 
 
 def interrupted(log: RunLogger | QuietLogger, step: int, output_dir: Path) -> NoReturn:
@@ -224,12 +258,16 @@ def evaluate_before(parts: RunParts, eval_rows: list[dict[str, Any]], log: RunLo
     return before["eval/accuracy"]
 
 
+def eval_scorer_of(parts: RunParts) -> RewardScorer:
+    return parts.eval_scorer if parts.eval_scorer is not None else parts.scorer
+
+
 def evaluate_policy(parts: RunParts, eval_rows: list[dict[str, Any]]) -> dict[str, float]:
     trainer = parts.cfg.trainer
     return evaluate(
         parts.models.policy,
         parts.sampler,
-        parts.scorer,
+        eval_scorer_of(parts),
         parts.prompts,
         eval_rows,
         seed=trainer.seed,
@@ -339,7 +377,8 @@ def train_step(parts: RunParts, step: int, group_size: int, beta_scale: float) -
         )
         rollout, rewards = filled.rollout, filled.rewards
     scored = time.perf_counter()
-    advantages = group_advantages(rewards.for_advantages, trainer.std_eps, trainer.std_threshold, trainer.advantage)
+    mode = advantage_mode(cfg)
+    advantages = group_advantages(rewards.for_advantages, trainer.std_eps, trainer.std_threshold, mode)
     beta = parts.betas.at(step - 1) * beta_scale
     stats = update_policy(
         parts.models,

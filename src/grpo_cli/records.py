@@ -127,6 +127,7 @@ class UpdateStats:
     grad_norm: float  # global gradient norm before clipping (last optimizer step)
     tokens: int  # completion tokens in the loss
     skipped_steps: int  # optimizer steps not taken: gradient not finite, or no token in the loss
+    entropy_kept_fraction: float | None = None  # loss tokens kept by trainer.top_entropy_quantile (None: off)
 
     @classmethod
     def nothing_trained(cls, passes: int) -> UpdateStats:

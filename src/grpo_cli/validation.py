@@ -22,6 +22,7 @@ from grpo_cli.config import (
     DISTRIBUTED_MODES,
     IMPORTANCE_SAMPLING_LEVELS,
     KL_ESTIMATORS,
+    MULTI_OBJECTIVE_AGGREGATIONS,
     OBJECTIVES,
     ROLLOUT_CORRECTIONS,
     ConfigError,
@@ -39,6 +40,7 @@ CHOICES = {
     "data.use_chat_template": ("auto", "true", "false"),
     "optimizer.scheduler": ("constant", "linear", "cosine"),
 }
+NULLABLE_CHOICES = ("reward.multi_objective_aggregation",)  # null: the key is not set
 EXACT_CHOICES = {  # read as written by the loss code, so compared case-sensitively
     "trainer.distributed": DISTRIBUTED_MODES,
     "trainer.advantage": ADVANTAGE_MODES,
@@ -47,6 +49,7 @@ EXACT_CHOICES = {  # read as written by the loss code, so compared case-sensitiv
     "trainer.rollout_correction": ROLLOUT_CORRECTIONS,
     "trainer.loss": OBJECTIVES,
     "trainer.importance_sampling_level": IMPORTANCE_SAMPLING_LEVELS,
+    "reward.multi_objective_aggregation": MULTI_OBJECTIVE_AGGREGATIONS,
 }
 
 
@@ -90,8 +93,11 @@ def _choice_problems(cfg: Any) -> list[str]:
     for choices, normalize in ((CHOICES, _lower), (EXACT_CHOICES, str)):
         for key, allowed in choices.items():
             group, name = key.split(".")
+            if key in NULLABLE_CHOICES and cfg[group][name] is None:
+                continue
             if normalize(cfg[group][name]) not in allowed:
-                problems.append(f"{key}={cfg[group][name]!r} is not one of {', '.join(allowed)}.")
+                also = " (or null)" if key in NULLABLE_CHOICES else ""
+                problems.append(f"{key}={cfg[group][name]!r} is not one of {', '.join(allowed)}{also}.")
     return problems
 
 
@@ -184,6 +190,8 @@ def _number_problems(cfg: Any) -> list[str]:
     problems += _objective_problems(trainer)
     problems += _beta_problems(trainer.beta)
     problems += _clip_problems(cfg.reward.clip)
+    problems += _aggregation_problems(cfg.reward, trainer)
+    problems += _best_metric_problems(trainer)
     if not 0 <= cfg.reward.max_error_fraction <= 1:
         problems.append(f"reward.max_error_fraction={cfg.reward.max_error_fraction} must be in [0, 1].")
     if cfg.reward.workers < 1:
@@ -223,7 +231,51 @@ def _objective_problems(trainer: Any) -> list[str]:
     for key in ("sapo_temperature_pos", "sapo_temperature_neg"):
         if not 0 < getattr(trainer, key) < math.inf:
             problems.append(f"trainer.{key}={getattr(trainer, key)} must be positive (SAPO used 1.0 and 1.05).")
+    if not -math.inf < trainer.entropy_coef < math.inf:
+        problems.append(
+            f"trainer.entropy_coef={trainer.entropy_coef} must be a finite number (0 = no bonus; 1e-3 is usual)."
+        )
+    if not 0 <= trainer.top_entropy_quantile <= 1:
+        problems.append(
+            f"trainer.top_entropy_quantile={trainer.top_entropy_quantile} must be in [0, 1]: the fraction of "
+            "tokens, by entropy, the policy term trains on (1 = all; the 80/20 paper used 0.2)."
+        )
     return problems
+
+
+def _best_metric_problems(trainer: Any) -> list[str]:
+    """An eval metric ranks only checkpoints written at eval steps: checkpoint_every must land on them."""
+    if trainer.best_metric_mode not in ("max", "min"):
+        return [f"trainer.best_metric_mode={trainer.best_metric_mode!r} must be max or min."]
+    if not str(trainer.best_metric).startswith("eval/") or trainer.keep_best == 0:
+        return []
+    every, eval_every = trainer.checkpoint_every, trainer.eval_every
+    if eval_every <= 0 or every <= 0 or every % eval_every:
+        return [
+            f"trainer.best_metric={trainer.best_metric} is measured by the greedy eval every "
+            f"trainer.eval_every={eval_every} steps, but checkpoints are written every "
+            f"trainer.checkpoint_every={every}: only checkpoints at eval steps can be ranked. Set "
+            "checkpoint_every to a multiple of eval_every (both > 0), e.g. trainer.eval_every=50 "
+            "trainer.checkpoint_every=50."
+        ]
+    return []
+
+
+def _aggregation_problems(reward: Any, trainer: Any) -> list[str]:
+    """reward.multi_objective_aggregation (TRL's name) against the keys it stands for."""
+    aggregation = reward.get("multi_objective_aggregation")
+    if aggregation == "normalize_then_sum" and trainer.advantage not in ("grpo", "batch_std"):
+        return [
+            f"reward.multi_objective_aggregation=normalize_then_sum normalizes the summed z-scores by the "
+            f"batch's std (trainer.advantage=batch_std), which trainer.advantage={trainer.advantage} "
+            "contradicts. Drop one of the two."
+        ]
+    if aggregation == "sum_then_normalize" and reward.normalize_each:
+        return [
+            "reward.multi_objective_aggregation=sum_then_normalize sums the raw scores, which "
+            "reward.normalize_each=true contradicts. Drop one of the two."
+        ]
+    return []
 
 
 def _model_problems(cfg: Any, check_files: bool) -> list[str]:
@@ -278,6 +330,8 @@ def _run_problems(cfg: Any, ranks: int) -> list[str]:
     if not isinstance(resume, (bool, str)) or resume == "":
         problems.append(f"trainer.resume={resume!r} must be false, true or a checkpoint folder.")
     problems += _reward_problems(cfg.reward.functions)
+    if cfg.get("eval") is not None and cfg.eval.functions is not None:
+        problems += _reward_problems(cfg.eval.functions, "eval.functions")
     problems += _adaptive_problems(cfg.sampler, max(data.prompts_per_step // ranks, 1), trainer.micro_batch_size)
     if trainer.sample_prompts < 0 or trainer.sample_every < 0 or data.eval_holdout < 0:
         problems.append("trainer.sample_every, trainer.sample_prompts and data.eval_holdout must be >= 0.")
@@ -623,12 +677,13 @@ def _logger_problems(logger: Any) -> list[str]:
     ]
 
 
-def _reward_problems(functions: Any) -> list[str]:
+def _reward_problems(functions: Any, where: str = "reward.functions") -> list[str]:
     problems = []
     if not functions:
-        return ["reward.functions is empty: give at least one {_target_: ..., weight: ...}."]
+        tail = " (or null: the training rewards)" if where != "reward.functions" else ""
+        return [f"{where} is empty: give at least one {{_target_: ..., weight: ...}}{tail}."]
     for index, entry in enumerate(functions):
-        key = f"reward.functions[{index}]"
+        key = f"{where}[{index}]"
         if not hasattr(entry, "get") or not entry.get("_target_"):
             problems.append(f"{key}={entry!r} needs a _target_ naming a function (module.name).")
             continue

@@ -24,7 +24,13 @@ from collections.abc import Iterator
 import torch
 from torch.utils.checkpoint import checkpoint
 
-from grpo_cli.algorithm.losses import LOGIT_CHUNK_ELEMENTS, compute_dtype, token_entropy, token_log_probs
+from grpo_cli.algorithm.losses import (
+    LOGIT_CHUNK_ELEMENTS,
+    compute_dtype,
+    entropy_gradient,
+    token_entropy,
+    token_log_probs,
+)
 from grpo_cli.models.transformers_api import checkpoints_activations, returned_cache, with_cache
 
 # Config fields of models whose logits are not lm_head(hidden): Gemma 2's soft-cap, Cohere's
@@ -89,7 +95,7 @@ def completion_log_probs(
         use_cache=False,
     ).logits
     log_probs = token_log_probs(logits, completion_ids, temperature)
-    entropy = token_entropy(logits, length, temperature) if with_entropy else None  # no grad
+    entropy = token_entropy(logits, length, temperature) if with_entropy else None
     return log_probs, entropy
 
 
@@ -179,7 +185,7 @@ def head_token_log_probs(
     with_entropy: bool,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """log softmax(head(hidden) / temperature)[token] at the scored positions, [N, T] (0 at the
-    others), and the entropies (no grad) likewise, LOGIT_CHUNK_ELEMENTS logits at a time.
+    others), and the entropies likewise (differentiable: the entropy bonus), LOGIT_CHUNK_ELEMENTS logits at a time.
 
     With gradients, nothing of a chunk but its [n, h] hidden rows outlives it: the backward
     recomputes its logits to get the gradient of the hidden states and of the head's weights,
@@ -236,7 +242,8 @@ class _LinearHeadLogProbs(torch.autograd.Function):
     softmax in float32. The backward recomputes each chunk's logits and sums the weight's
     gradient over chunks into one buffer (in place in float32), so no [V, h] temporary per
     chunk and no logits outlive their chunk. With x = logits / temperature and g the incoming
-    gradient of a row's log-prob: d/dlogits = g (onehot(token) - softmax(x)) / temperature;
+    gradient of a row's log-prob: d/dlogits = g (onehot(token) - softmax(x)) / temperature,
+    plus, for the entropy bonus, g_H dH/dx / temperature (losses.entropy_gradient);
     rows' gradient = that @ W, W's = that^T @ rows, b's = its sum over rows."""
 
     @staticmethod
@@ -254,13 +261,14 @@ class _LinearHeadLogProbs(torch.autograd.Function):
                 entropy[part] = normalizer - (torch.softmax(logits, dim=-1) * logits).sum(dim=-1)
         ctx.save_for_backward(rows, weight, bias, tokens)
         ctx.temperature, ctx.chunk, ctx.dtype = temperature, chunk, dtype
-        if with_entropy:
-            ctx.mark_non_differentiable(entropy)
+        ctx.set_materialize_grads(False)  # an output nothing used gets None, not zeros to multiply
         return log_probs, entropy
 
     @staticmethod
-    def backward(ctx, grad_log_probs, _grad_entropy):
+    def backward(ctx, grad_log_probs, grad_entropy):
         rows, weight, bias, tokens = ctx.saved_tensors
+        if grad_log_probs is None and grad_entropy is None:
+            return None, None, None, None, None, None, None, None
         need_rows, need_weight, need_bias = ctx.needs_input_grad[:3]
         dtype, compute, temperature = ctx.dtype, compute_dtype(ctx.dtype), ctx.temperature
         weight_in, bias_in = weight.to(dtype), None if bias is None else bias.to(dtype)
@@ -271,8 +279,16 @@ class _LinearHeadLogProbs(torch.autograd.Function):
             part = slice(start, start + ctx.chunk)
             inputs = rows[part].to(dtype)
             logits = _scaled_logits(inputs, weight_in, bias_in, compute, temperature)
-            scale = grad_log_probs[part].to(compute).unsqueeze(-1) / temperature  # [c, 1]
-            grad_logits = torch.softmax(logits, dim=-1).mul_(-scale).scatter_add_(-1, tokens[part].unsqueeze(-1), scale)
+            if grad_log_probs is not None:
+                scale = grad_log_probs[part].to(compute).unsqueeze(-1) / temperature  # [c, 1]
+                grad_logits = (
+                    torch.softmax(logits, dim=-1).mul_(-scale).scatter_add_(-1, tokens[part].unsqueeze(-1), scale)
+                )
+            else:
+                grad_logits = torch.zeros_like(logits)
+            if grad_entropy is not None:  # the entropy bonus: logits are already / temperature
+                entropy_scale = grad_entropy[part].to(compute).unsqueeze(-1)  # [c, 1]
+                grad_logits += entropy_gradient(logits, 1.0).mul_(entropy_scale / temperature)
             if need_bias:
                 grad_bias += grad_logits.sum(dim=0)
             grad_logits = grad_logits.to(dtype)

@@ -17,6 +17,8 @@ step (each prompt's group weighs the same, as every group has G completions). Th
   same), constant (Dr. GRPO: each sequence's token sum divided by max_new_tokens).
 - `loss` (cispo, sapo), `importance_sampling_level` (GSPO), `delta`, `dual_clip`: the policy
   term min(rho A, clip(rho) A) replaced or bounded, one function each in objectives.py.
+- `entropy_coef` (an entropy bonus) and `top_entropy_quantile` (the policy term on the
+  highest-entropy tokens only): grpo_loss's `entropy`.
 Departures from the paper, none of which change the formula:
 - With num_iterations = 1 the "old" policy is the current one: rho = exp(logp - logp.detach()),
   which is 1 in value but still carries the gradient, exactly as the paper's single-pass case.
@@ -107,19 +109,64 @@ def token_log_probs(
     return _TokenLogProbs.apply(logits, tokens, temperature, chunk_rows)
 
 
-@torch.no_grad()
+def entropy_gradient(logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    """d H / d logits of H = entropy(softmax(x)), x = logits / temperature, by row: [..., V].
+
+    H = logsumexp(x) - sum_k p_k x_k, so dH/dx_j = p_j - (p_j + p_j x_j - p_j E_p[x])
+    = -p_j (x_j - E_p[x]), divided by the temperature for the logits. Example: x = (0, 0) is
+    the maximum (H = log 2): gradient (0, 0)."""
+    x = logits / temperature
+    p = torch.softmax(x, dim=-1)
+    return p.mul_(x - (p * x).sum(dim=-1, keepdim=True)).neg_().div_(temperature)
+
+
+class _TokenEntropy(torch.autograd.Function):
+    """Entropy of softmax(logits / temperature) at the first `length` positions, block by
+    block (as _TokenLogProbs: no [N, T, V] float32 copy kept for autograd); its gradient
+    (entropy_gradient) serves the entropy bonus (trainer.entropy_coef)."""
+
+    @staticmethod
+    def forward(ctx, logits, length, temperature, chunk_rows):  # [N, L, V] -> [N, length]
+        out = torch.empty(logits.shape[0], length, dtype=compute_dtype(logits.dtype), device=logits.device)
+        for seqs, pos in _blocks(logits, length, chunk_rows):
+            block = logits[seqs, pos].to(out.dtype) / temperature
+            out[seqs, pos] = torch.logsumexp(block, dim=-1) - (torch.softmax(block, dim=-1) * block).sum(dim=-1)
+        ctx.save_for_backward(logits)
+        ctx.length, ctx.temperature, ctx.chunk_rows = length, temperature, chunk_rows
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        (logits,) = ctx.saved_tensors
+        grad = torch.zeros_like(logits)  # positions past `length` get 0
+        for seqs, pos in _blocks(logits, ctx.length, ctx.chunk_rows):
+            block = entropy_gradient(logits[seqs, pos].to(grad_out.dtype), ctx.temperature)
+            grad[seqs, pos] = (block * grad_out[seqs, pos].unsqueeze(-1)).to(grad.dtype)
+        return grad, None, None, None
+
+
 def token_entropy(
     logits: torch.Tensor, length: int | None = None, temperature: float = 1.0, chunk_rows: int | None = None
 ) -> torch.Tensor:
     """Entropy of softmax(logits / temperature) at the first `length` positions (all if None):
-    [N, L, V] -> [N, length]. No gradient. H = logsumexp(x) - sum softmax(x) * x, by blocks.
+    [N, L, V] -> [N, length], H = logsumexp(x) - sum softmax(x) * x, by blocks; differentiable
+    (the entropy bonus), free of autograd under no_grad.
     """
     length = logits.shape[1] if length is None else length
-    out = torch.empty(logits.shape[0], length, dtype=compute_dtype(logits.dtype), device=logits.device)
-    for seqs, pos in _blocks(logits, length, chunk_rows):
-        block = logits[seqs, pos].to(out.dtype) / temperature
-        out[seqs, pos] = torch.logsumexp(block, dim=-1) - (torch.softmax(block, dim=-1) * block).sum(dim=-1)
-    return out
+    return _TokenEntropy.apply(logits, length, temperature, chunk_rows)
+
+
+def high_entropy_mask(entropy: torch.Tensor, mask: torch.Tensor, quantile: float) -> torch.Tensor:
+    """The loss tokens among the top `quantile` of `mask`'s tokens by entropy ("Beyond the
+    80/20 rule", Wang et al. 2025; TRL's top_entropy_quantile): entropy >= the (1 - quantile)
+    quantile of the masked entropies (torch.quantile, linear interpolation, as TRL). [N, T] ->
+    [N, T] bool. quantile 1 keeps every token; 0 the highest only (and its ties).
+    Example: entropies [0.1, 0.5, 0.9, 2.0], quantile 0.5 -> threshold 0.7: [F, F, T, T]."""
+    tokens = mask.bool()
+    if quantile >= 1.0 or not tokens.any():
+        return tokens
+    threshold = torch.quantile(entropy.detach()[tokens].float(), 1.0 - quantile)
+    return (entropy.detach() >= threshold) & tokens
 
 
 def kl_estimate(log_probs: torch.Tensor, ref_log_probs: torch.Tensor, estimator: str = "k3") -> torch.Tensor:
@@ -241,6 +288,13 @@ class LossSettings:
     cispo_ratio_max: float = 5.0  # cispo: the weight's upper bound (ScaleRL's eps_max)
     sapo_temperature_pos: float = 1.0  # sapo: tau for A > 0
     sapo_temperature_neg: float = 1.05  # sapo: tau for A <= 0
+    # Entropy controls (each needs the entropy passed to grpo_loss):
+    entropy_coef: float = 0.0  # the bonus: loss - entropy_coef * aggregate(H), H with its gradient
+    top_entropy_quantile: float = 1.0  # the policy term on the top-q tokens by entropy only (1: all)
+
+    @property
+    def uses_entropy(self) -> bool:
+        return self.entropy_coef != 0.0 or self.top_entropy_quantile < 1.0
 
 
 def grpo_loss(
@@ -252,9 +306,13 @@ def grpo_loss(
     settings: LossSettings,
     step: LossDenominators,
     rollout_weights: torch.Tensor | None = None,  # [N, T] (no grad): the rollout correction's w
+    entropy: torch.Tensor | None = None,  # [N, T] the policy's entropy, with grad (settings.uses_entropy)
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """The loss of one micro-batch, and detached sums for the step's metrics. `rollout_weights`
     multiply each token's policy term (not its KL term), as TRL, verl and OpenRLHF apply them.
+    The entropy controls: top_entropy_quantile < 1 keeps the policy term (not the KL) of this
+    micro-batch's high_entropy_mask tokens only, as TRL does; entropy_coef adds -coef * H on the
+    same tokens, aggregated as the loss (verl's entropy_coeff), so the micro-batches still add up.
 
     Worked example, one token, A = 1, eps = 0.2: logp - old = log 1.5 -> rho = 1.5, clipped to
     1.2; min(1.5 * 1, 1.2 * 1) = 1.2, so the token contributes -1.2 and no gradient (the clipped
@@ -271,6 +329,15 @@ def grpo_loss(
     per_token = -policy.objective.expand_as(log_probs)  # [N, T]
     if rollout_weights is not None:
         per_token = per_token * rollout_weights
+    kept = tokens
+    if settings.uses_entropy:
+        if entropy is None:
+            raise ValueError("entropy_coef and top_entropy_quantile need the policy's entropy")
+        kept = high_entropy_mask(entropy, mask, settings.top_entropy_quantile)  # [N, T] bool
+        if settings.top_entropy_quantile < 1.0:
+            per_token = per_token * kept
+        if settings.entropy_coef != 0.0:
+            per_token = per_token - settings.entropy_coef * entropy * kept
     kl = None
     if ref_log_probs is not None:
         kl = kl_estimate(log_probs, torch.where(tokens, ref_log_probs, detached), settings.kl_estimator)
@@ -285,6 +352,7 @@ def grpo_loss(
         was_clipped = policy.clipped.expand_as(tokens) & tokens  # the gradient stopped by a clip
         metrics = {
             "tokens": tokens.sum(),
+            "entropy_kept": kept.sum(),  # loss tokens the entropy mask keeps (all without one)
             "clipped_high": (was_clipped & (advantages > 0)).sum(),  # rho > 1 + clip_eps_high
             "clipped_low": (was_clipped & (advantages < 0)).sum(),  # rho < 1 - clip_eps
             "kl_sum": (kl * mask).sum() if kl is not None else torch.zeros(()),

@@ -89,6 +89,8 @@ class StepTotals:
     clipped_high: float = 0.0  # loss tokens clipped at 1 + clip_eps_high, all passes
     clipped_low: float = 0.0  # ... at 1 - clip_eps
     tokens: float = 0.0  # loss tokens, all passes
+    entropy_kept: float = 0.0  # ... of them kept by the entropy mask (top_entropy_quantile), all passes
+    entropy_masked: bool = False  # whether top_entropy_quantile < 1 (entropy_kept is then logged)
     entropy_sum: float = 0.0  # first pass, over every completion token (truncated or not)
     entropy_tokens: float = 0.0
     mismatch_sum: float = 0.0  # first pass, over loss tokens: |log pi_trainer - log pi_sampler|
@@ -105,6 +107,7 @@ class StepTotals:
         "clipped_high",
         "clipped_low",
         "tokens",
+        "entropy_kept",
         "entropy_sum",
         "entropy_tokens",
         "mismatch_sum",
@@ -115,7 +118,7 @@ class StepTotals:
     def add(self, loss: float, metrics: dict) -> None:
         """One micro-batch of the current pass (the last one started with `start_pass`)."""
         self.loss += loss
-        for key in ("kl_sum", "clipped_high", "clipped_low", "tokens"):
+        for key in ("kl_sum", "clipped_high", "clipped_low", "tokens", "entropy_kept"):
             setattr(self, key, getattr(self, key) + float(metrics[key]))
         self.clipped_by_pass[-1] += float(metrics["clipped_high"] + metrics["clipped_low"])
         self.tokens_by_pass[-1] += float(metrics["tokens"])
@@ -152,6 +155,7 @@ class StepTotals:
             tokens_by_pass=per_pass[passes:],
             deviation_by_pass=max_over_ranks(self.deviation_by_pass, world),
             mismatch_max=max_over_ranks([self.mismatch_max], world)[0],
+            entropy_masked=self.entropy_masked,
         )
 
     def stats(self, grad_norm: float, loss_tokens: int, skipped: int) -> UpdateStats:
@@ -175,6 +179,7 @@ class StepTotals:
             grad_norm=grad_norm,
             tokens=loss_tokens,
             skipped_steps=skipped,
+            entropy_kept_fraction=self.entropy_kept / tokens if self.entropy_masked else None,
         )
 
 
@@ -224,7 +229,7 @@ def update_policy(
     policy.train()
     reference, old = frozen_log_probs(models, batches, log_probs_of, trainer.num_iterations > 1)
     parameters = trainable_parameters(policy)
-    totals, grad_norm, skipped = StepTotals(), 0.0, 0
+    totals, grad_norm, skipped = StepTotals(entropy_masked=settings.top_entropy_quantile < 1.0), 0.0, 0
     for iteration in range(trainer.num_iterations):  # the paper's mu passes over the same rollout
         optimizer.zero_grad(set_to_none=True)  # nothing to free after a finished pass; a cut-off one
         totals.start_pass()
@@ -233,15 +238,16 @@ def update_policy(
             # DDP: gradients are exchanged once per pass, after the last micro-batch.
             syncing = contextlib.nullcontext() if last_batch or trained is policy else trained.no_sync()
             with syncing:
-                log_probs, entropy = log_probs_of(trained, batch, with_entropy=iteration == 0)
+                # the entropy: the first pass's metric, and every pass's for the entropy controls
+                log_probs, entropy = log_probs_of(trained, batch, iteration == 0 or settings.uses_entropy)
                 old_log_probs = old[index] if old is not None else log_probs.detach()
                 correction = sampler_correction(old_log_probs, batch, trainer)
                 losses = (log_probs, old_log_probs, reference[index], batch.advantages, batch.loss_mask)
                 weights = None if correction is None else correction.weights  # [n, t] w
-                loss, metrics = grpo_loss(*losses, settings, denominators, weights)
+                loss, metrics = grpo_loss(*losses, settings, denominators, weights, entropy)
                 (loss * rank_scale).backward()
-            if entropy is not None:  # the first pass, over every completion token, truncated or not
-                totals.add_entropy((entropy * batch.mask).sum().item(), float(batch.mask.sum()))
+            if iteration == 0:  # the entropy metric: over every completion token, truncated or not
+                totals.add_entropy((entropy.detach() * batch.mask).sum().item(), float(batch.mask.sum()))
             if iteration == 0 and correction is not None:  # the sampler's log-probs against the trainer's
                 totals.add_mismatch(old_log_probs, batch, correction)
             totals.add(loss.item(), metrics)
@@ -282,6 +288,8 @@ def loss_settings(trainer: TrainerConfig, beta: float) -> LossSettings:
         cispo_ratio_max=trainer.cispo_ratio_max,
         sapo_temperature_pos=trainer.sapo_temperature_pos,
         sapo_temperature_neg=trainer.sapo_temperature_neg,
+        entropy_coef=trainer.entropy_coef,
+        top_entropy_quantile=trainer.top_entropy_quantile,
     )
 
 

@@ -9,7 +9,7 @@ ones below are importable as `grpo_cli.rewards.<name>`.
 """
 
 from grpo_cli.rewards.code import code_execution
-from grpo_cli.rewards.format import format_reward, length_penalty, repetition_penalty
+from grpo_cli.rewards.format import format_reward, length_penalty, overlong_penalty, repetition_penalty
 from grpo_cli.rewards.math import exact_match, math_accuracy
 from grpo_cli.rewards.reward_model import reward_model
 
@@ -19,6 +19,7 @@ __all__ = [
     "format_reward",
     "length_penalty",
     "math_accuracy",
+    "overlong_penalty",
     "repetition_penalty",
     "reward_model",
 ]

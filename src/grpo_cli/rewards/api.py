@@ -23,7 +23,7 @@ import torch
 from hydra.utils import get_method
 from omegaconf import OmegaConf
 
-from grpo_cli.config import ConfigError
+from grpo_cli.config import ConfigError, normalizes_each
 from grpo_cli.records import Rewards, Rollout
 from grpo_cli.rewards.shaping import combine_rewards
 
@@ -65,6 +65,10 @@ def build_reward_functions(entries: Any, shared: dict[str, Any] | None = None) -
         for key, value in (shared or {}).items():
             if key not in arguments and any(p.name == key for p in parameters):
                 arguments[key] = value
+        check = getattr(fn, "check_arguments", None)  # a function's own check of its settings
+        problem = check(**arguments) if check is not None else None
+        if problem:
+            raise ConfigError(f"reward.functions[{index}] ({name}): {problem} Nothing was loaded.")
         functions.append(
             RewardFunction(
                 name=name,
@@ -222,8 +226,10 @@ class RewardScorer:
         max_error_fraction: float = 1.0,
         workers: int = 1,
         timeout: float | None = None,
+        max_new_tokens: int | None = None,
     ):
-        self.functions = build_reward_functions(entries, shared={"workers": workers})
+        shared = {"workers": workers, "max_new_tokens": max_new_tokens}
+        self.functions = build_reward_functions(entries, shared=shared)
         self.weights = {function.name: function.weight for function in self.functions}
         self.clip = (float(clip[0]), float(clip[1])) if clip is not None else None
         self.normalize_each = normalize_each
@@ -232,18 +238,41 @@ class RewardScorer:
         self.timeout = timeout
 
     @classmethod
-    def from_config(cls, reward: Any, std_eps: float) -> RewardScorer:
+    def from_config(cls, reward: Any, std_eps: float, max_new_tokens: int | None = None) -> RewardScorer:
         """From the reward config group (functions, clip, normalize_each, max_error_fraction,
-        workers, timeout_s) and trainer.std_eps."""
+        workers, timeout_s), trainer.std_eps and sampler.max_new_tokens (given to the functions
+        that name it, e.g. overlong_penalty)."""
         return cls(
             reward.functions,
             reward.clip,
-            reward.normalize_each,
+            normalizes_each(reward),
             std_eps,
             reward.max_error_fraction,
             reward.workers,
             reward.timeout_s,
+            max_new_tokens,
         )
+
+    def for_eval(self, cfg: Any) -> RewardScorer:
+        """The greedy eval's scorer: eval.functions with this scorer's clip, workers and timeout,
+        or this scorer itself where eval.functions is unset."""
+        functions = cfg.get("eval", {}).get("functions") if hasattr(cfg, "get") else None
+        if not functions:
+            return self
+        reward = cfg.reward
+        try:
+            return RewardScorer(
+                functions,
+                reward.clip,
+                False,
+                self.std_eps,
+                reward.max_error_fraction,
+                reward.workers,
+                reward.timeout_s,
+                cfg.sampler.max_new_tokens,
+            )
+        except ConfigError as error:
+            raise ConfigError(str(error).replace("reward.functions[", "eval.functions[")) from None
 
     @property
     def names(self) -> list[str]:

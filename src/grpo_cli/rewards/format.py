@@ -73,3 +73,47 @@ def repetition_penalty(
         grams = [tuple(words[i : i + ngram]) for i in range(len(words) - ngram + 1)]
         scores.append(-coef * (len(grams) - len(set(grams))) / len(grams) if grams else 0.0)
     return scores
+
+
+def overlong_penalty(
+    prompts: list[str],
+    completions: list[str],
+    completion_length: Optional[list[int]] = None,
+    max_new_tokens: Optional[int] = None,
+    buffer: Optional[int] = None,
+    coef: float = 1.0,
+    **_: Any,
+) -> list[float]:
+    """DAPO's soft overlong punishment (Yu et al. 2025, eq. 13): with L = max_new_tokens and
+    C = buffer, a completion of n tokens gets 0 while n <= L - C, then coef * (L - C - n) / C,
+    falling linearly to -coef at n = L (a truncated completion), and -coef beyond.
+
+    The trainer passes `completion_length` (tokens, EOS included) and `max_new_tokens`
+    (sampler.max_new_tokens); `buffer` defaults to a fifth of it (DAPO: 4096 of 20480).
+    TRL's get_soft_overlong_punishment(max_completion_len=L, soft_punish_cache=C) is the same
+    function. Example, L = 100, C = 20: 80 tokens -> 0, 90 -> -0.5, 100 -> -1.
+    """
+    limit = int(max_new_tokens) if max_new_tokens is not None else None
+    problem = check_overlong_arguments(limit, buffer)
+    if problem:
+        raise ValueError(problem)
+    cache = int(buffer) if buffer is not None else max(1, limit // 5)
+    lengths = completion_length if completion_length is not None else [len(t.split()) for t in completions]
+    return [coef * max(-1.0, min(0.0, (limit - cache - int(n)) / cache)) for n in lengths]
+
+
+def check_overlong_arguments(
+    max_new_tokens: Optional[int] = None, buffer: Optional[int] = None, **_: Any
+) -> str | None:
+    """What is wrong with overlong_penalty's arguments, or None (the trainer checks before loading)."""
+    if max_new_tokens is None:
+        return "overlong_penalty needs max_new_tokens (the trainer passes sampler.max_new_tokens)."
+    if buffer is not None and not 1 <= int(buffer) <= int(max_new_tokens):
+        return (
+            f"overlong_penalty's buffer={buffer} must be between 1 and max_new_tokens={max_new_tokens}: "
+            "the last `buffer` tokens before the limit are where the penalty grows (DAPO: a fifth)."
+        )
+    return None
+
+
+overlong_penalty.check_arguments = check_overlong_arguments  # build_reward_functions calls it

@@ -1,4 +1,5 @@
-"""`grpo-export RUN_OR_CHECKPOINT OUT_DIR`: a checkpoint as a plain Hugging Face model folder.
+"""`grpo-export RUN_OR_CHECKPOINT OUT_DIR [--best]`: a checkpoint as a plain Hugging Face model
+folder; of a run folder, its newest checkpoint, or with --best the best by trainer.best_metric.
 
 A LoRA checkpoint is a PEFT adapter folder: serving engines want one full model. The export
 loads the base model the run trained on (in the run's dtype, never quantized: a QLoRA adapter
@@ -19,7 +20,7 @@ import sys
 from pathlib import Path
 from typing import NoReturn, Optional
 
-from grpo_cli.checkpoint import META_FILE, latest_checkpoint
+from grpo_cli.checkpoint import META_FILE, best_checkpoint, latest_checkpoint, ranking_value, read_meta
 
 ADAPTER_CONFIG = "adapter_config.json"
 
@@ -28,16 +29,31 @@ class ExportError(Exception):
     """Input grpo-export cannot use; the message says which path and what to do."""
 
 
-def find_checkpoint(path: Path) -> Path:
-    """A checkpoint folder, or the newest complete checkpoint of a run folder."""
+def find_checkpoint(path: Path, best: bool = False) -> Path:
+    """A checkpoint folder, or the newest (`best`: the best ranked) complete checkpoint of a run folder."""
     if not path.exists():
         raise ExportError(
             f"{path} does not exist. Give a run folder (its newest checkpoint is exported) "
             "or a checkpoint folder such as RUN/checkpoints/step-000100."
         )
     if (path / META_FILE).is_file():
+        if best:
+            raise ExportError(
+                f"{path} is one checkpoint; --best picks among a run's checkpoints. Give the run "
+                f"folder ({path.parent.parent}) with --best, or this checkpoint without it."
+            )
         return path
     newest = latest_checkpoint(path)
+    if best and newest is not None:
+        chosen = best_checkpoint(path)
+        if chosen is None:
+            metric = ranking_value(read_meta(newest))[0]
+            raise ExportError(
+                f"No checkpoint of {path} has a value of {metric} (trainer.best_metric) to rank it by: "
+                "an eval metric is only known at eval steps. Export one checkpoint by its folder, "
+                "e.g. the newest, " + str(newest) + "."
+            )
+        return chosen
     if newest is None:
         raise ExportError(
             f"{path} is neither a checkpoint (no {META_FILE}) nor a run folder with a complete "
@@ -73,12 +89,12 @@ def base_model_of(checkpoint: Path, settings: dict) -> str:
     return resolve_model(name)  # builtin:NAME or a .gguf -> its local folder; else unchanged
 
 
-def export(source: Path, out: Path, dtype_name: Optional[str] = None) -> Path:
+def export(source: Path, out: Path, dtype_name: Optional[str] = None, best: bool = False) -> Path:
     """Write the merged (or copied) model and its tokenizer to `out`; returns the checkpoint used."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    checkpoint = find_checkpoint(source)
+    checkpoint = find_checkpoint(source, best)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise ExportError(
             f"{out} already exists and is not an empty folder; the export never overwrites. Give a new OUT_DIR."
@@ -120,9 +136,15 @@ def main(argv: Optional[list[str]] = None) -> None:
         choices=["float32", "bfloat16", "float16"],
         help="the exported weights' dtype (default: the run's model.dtype)",
     )
+    parser.add_argument(
+        "--best",
+        action="store_true",
+        help="of a run folder, the checkpoint best by the run's trainer.best_metric (kept by keep_best) "
+        "instead of the newest",
+    )
     arguments = parser.parse_args(argv)
     try:
-        used = export(arguments.source, arguments.out, arguments.dtype)
+        used = export(arguments.source, arguments.out, arguments.dtype, arguments.best)
     except ExportError as error:
         fail(str(error))
     print(f"Exported {used} to {arguments.out}")

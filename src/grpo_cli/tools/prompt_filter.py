@@ -182,7 +182,9 @@ def score_prompts(cfg: Any, rows: list[dict[str, Any]], checkpoint: Optional[Pat
     """G completions for each row from the model (at `checkpoint`, a training run's policy, if
     given), their rewards, and which groups differ."""
     trainer = cfg.trainer
-    scorer = RewardScorer.from_config(cfg.reward, trainer.std_eps)  # imports each _target_ before loading
+    scorer = RewardScorer.from_config(
+        cfg.reward, trainer.std_eps, cfg.sampler.max_new_tokens
+    )  # imports each _target_ before loading
     seed_everything(trainer.seed)
     models = load_models(
         cfg.model,
