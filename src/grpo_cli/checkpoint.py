@@ -5,6 +5,7 @@ Layout of one checkpoint, `OUTPUT_DIR/checkpoints/step-000050/`:
   and the tokenizer, so `from_pretrained(folder)` / `PeftModel.from_pretrained(base, folder)`
   load it directly;
 - `trainer_state.pt`: optimizer, scheduler, RNG states, data position, step;
+- `reference.safetensors`, with trainer.ref_sync_steps only: the refreshed reference's weights;
 - `meta.json`: step, that step's mean reward and KL, written last: a folder without it is
   incomplete and never resumed from.
 Each checkpoint is written into a hidden temporary folder, flushed to disk, then renamed into
@@ -28,11 +29,13 @@ from typing import Any, Optional
 import numpy as np
 import torch
 from safetensors import SafetensorError, safe_open
+from safetensors.torch import load_model, save_model
 
 from grpo_cli.config import ConfigError
 
 STATE_FILE = "trainer_state.pt"
 META_FILE = "meta.json"
+REFERENCE_FILE = "reference.safetensors"  # a refreshed reference (trainer.ref_sync_steps)
 
 
 def checkpoints_dir(output_dir: Path) -> Path:
@@ -95,10 +98,12 @@ def save_checkpoint(
     keep_last: int,
     keep_best: int = 0,
     model_state: Optional[dict[str, Any]] = None,
+    reference: Optional[torch.nn.Module] = None,
 ) -> Path:
     """Write checkpoint `step` atomically, then delete all but the newest `keep_last` and the
     `keep_best` best by their meta.json (ranking_value). `model_state`: the policy's
     full state dict when the model itself holds only shards (FSDP); else the model is read.
+    `reference`: a reference that moves (trainer.ref_sync_steps), saved beside the policy.
 
     A failure while writing (disk full, ...) removes the partial copy and raises CheckpointError
     saying which complete checkpoint survived."""
@@ -121,6 +126,8 @@ def save_checkpoint(
         policy.save_pretrained(staging, state_dict=model_state)
         tokenizer.save_pretrained(staging)
         torch.save({**trainer_state, "step": step, "rng": rng_state()}, staging / STATE_FILE)
+        if reference is not None:
+            save_model(reference, str(staging / REFERENCE_FILE))  # tied weights stored once
         (staging / META_FILE).write_text(json.dumps({"step": step, **meta}, indent=2) + "\n")
         _fsync_tree(staging)
     except (OSError, RuntimeError, SafetensorError) as error:  # torch.save says a full disk as a RuntimeError
@@ -296,6 +303,23 @@ def newest_resumable(output_dir: Path) -> tuple[Optional[Path], list[tuple[Path,
 def _first_line(error: BaseException) -> str:
     text = str(error).strip()
     return text.splitlines()[0] if text else type(error).__name__
+
+
+def load_reference_weights(reference: Optional[torch.nn.Module], checkpoint: Path) -> bool:
+    """A refreshed reference's weights back from `checkpoint`, if it holds them (a checkpoint
+    written before the first refresh does not: the reference was still the base model). True
+    when they were loaded."""
+    path = checkpoint / REFERENCE_FILE
+    if reference is None or not path.is_file():
+        return False
+    try:
+        load_model(reference, str(path), device=str(next(reference.parameters()).device))
+    except (OSError, RuntimeError, SafetensorError) as error:
+        raise CheckpointError(
+            f"{path}: the refreshed reference of this checkpoint cannot be loaded ({_first_line(error)}). "
+            "Resume from another checkpoint (trainer.resume=PATH)."
+        ) from None
+    return True
 
 
 def load_policy_weights(policy: torch.nn.Module, checkpoint: Path, sharded: bool = False) -> None:

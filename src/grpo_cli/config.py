@@ -342,6 +342,12 @@ class TrainerConfig:
     """The newest checkpoints kept on disk; older ones are deleted (except the best, below)."""
     keep_best: int = 1
     """Also keep this many checkpoints with the best trainer.best_metric (0: only the newest)."""
+    ref_sync_steps: int = 0
+    """Every N steps move the reference toward the policy, ref = ref_mixup_alpha * policy +
+    (1 - ref_mixup_alpha) * ref (TR-DPO; TRL's sync_ref_model, ref_model_sync_steps); 0 = the
+    paper's frozen reference. Full fine-tunes only (the LoRA reference is the base model itself)."""
+    ref_mixup_alpha: float = 0.6
+    """The policy's share in each reference refresh (TRL's ref_model_mixup_alpha); 1 = a copy."""
     best_metric: str = "reward/mean"
     """The logged metric that ranks checkpoints for keep_best and `grpo-export RUN --best`, e.g.
     eval/accuracy (the greedy eval: checkpoint on eval steps, checkpoint_every a multiple of eval_every)."""

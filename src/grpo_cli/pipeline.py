@@ -41,7 +41,7 @@ from grpo_cli.distributed import (
 from grpo_cli.evaluation import evaluate
 from grpo_cli.logs import QuietLogger, RunLogger, resident_memory_gb
 from grpo_cli.metrics import step_metrics
-from grpo_cli.models.loading import Models, load_models, resolve_device, trainable_parameters
+from grpo_cli.models.loading import Models, load_models, refresh_reference, resolve_device, trainable_parameters
 from grpo_cli.planner.check import check_memory, print_plan
 from grpo_cli.records import Advantages, Rewards, Rollout
 from grpo_cli.rewards.api import RewardScorer
@@ -142,6 +142,7 @@ def train_parts(
         parts.prompts,
         AdaptiveGroupState.from_state_dict(None, cfg.sampler.group_size),
         world=world,
+        reference=parts.models.reference if trainer.ref_sync_steps else None,  # saved and resumed when it moves
     )
     if resume_from is not None:
         state.resume(resume_from)
@@ -158,6 +159,9 @@ def train_parts(
                 state.step, metrics, final = step, result.metrics, step == trainer.steps
                 if step == start_step + 1:  # a misspelt metric would rank no checkpoint: say it now
                     check_best_metric(trainer.best_metric, metrics, eval_keys(parts, eval_rows))
+                if trainer.ref_sync_steps and step % trainer.ref_sync_steps == 0:  # TR-DPO's soft update
+                    refresh_reference(parts.models, trainer.ref_mixup_alpha)
+                    metrics["ref/refreshed"] = 1.0
                 if cfg.sampler.adaptive.enabled:
                     adapt_group_size(cfg.sampler, state.adaptive, step, metrics, log)
                 if eval_rows and (final or (trainer.eval_every and step % trainer.eval_every == 0)):

@@ -23,6 +23,7 @@ import torch
 from grpo_cli.checkpoint import (
     CheckpointError,
     load_policy_weights,
+    load_reference_weights,
     load_trainer_state,
     newest_resumable,
     non_finite_tensor,
@@ -56,6 +57,7 @@ class TrainState:
     guard: GuardState = field(default_factory=GuardState)
     step: int = 0  # the last step done
     world: World = ONE_PROCESS
+    reference: Optional[torch.nn.Module] = None  # a reference that moves (trainer.ref_sync_steps), else None
 
     def state_dict(self) -> tuple[Optional[dict[str, Any]], dict[str, Any]]:
         """(the policy's full weights under FSDP else None, trainer_state.pt's contents without
@@ -84,6 +86,7 @@ class TrainState:
                 keep_last=keep_last,
                 keep_best=keep_best,
                 model_state=model_state,
+                reference=self.reference,
             )
             if self.world.is_main
             else None
@@ -104,6 +107,7 @@ class TrainState:
         load_optimizer_state(self.policy, self.optimizer, state["optimizer"], self.world)
         self.scheduler.load_state_dict(state["scheduler"])
         self.prompts.load_state_dict(state["data"])
+        load_reference_weights(self.reference, checkpoint)
         set_rng_state(state["rng"])
         self.step = int(state["step"])
         self.guard = GuardState.from_state_dict(state.get("guard"))
@@ -113,6 +117,7 @@ class TrainState:
         """The guard's rollback: `checkpoint`'s weights and optimizer moments; the step, the data
         position and the RNGs go on. A collective under FSDP."""
         load_policy_weights(self.policy, checkpoint, sharded=is_sharded(self.world))
+        load_reference_weights(self.reference, checkpoint)  # the reference as it was at that step
         load_optimizer_state(self.policy, self.optimizer, load_trainer_state(checkpoint)["optimizer"], self.world)
 
 

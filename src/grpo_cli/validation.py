@@ -192,6 +192,7 @@ def _number_problems(cfg: Any) -> list[str]:
     problems += _clip_problems(cfg.reward.clip)
     problems += _aggregation_problems(cfg.reward, trainer)
     problems += _best_metric_problems(trainer)
+    problems += _ref_sync_problems(cfg)
     if not 0 <= cfg.reward.max_error_fraction <= 1:
         problems.append(f"reward.max_error_fraction={cfg.reward.max_error_fraction} must be in [0, 1].")
     if cfg.reward.workers < 1:
@@ -241,6 +242,31 @@ def _objective_problems(trainer: Any) -> list[str]:
             "tokens, by entropy, the policy term trains on (1 = all; the 80/20 paper used 0.2)."
         )
     return problems
+
+
+def _ref_sync_problems(cfg: Any) -> list[str]:
+    """trainer.ref_sync_steps moves a reference copy: one must exist and be whole on this rank."""
+    trainer = cfg.trainer
+    if trainer.ref_sync_steps < 0:
+        return [f"trainer.ref_sync_steps={trainer.ref_sync_steps} must be >= 0 (0: a frozen reference)."]
+    if not 0 < trainer.ref_mixup_alpha <= 1:
+        return [f"trainer.ref_mixup_alpha={trainer.ref_mixup_alpha} must be in (0, 1] (TRL's default is 0.6)."]
+    if trainer.ref_sync_steps == 0:
+        return []
+    reason = None
+    if cfg.model.lora.enabled:
+        reason = (
+            "with model.lora.enabled=true the reference is the base model under the adapter, not a "
+            "copy that can move (TRL refuses it too). Train a full fine-tune, or set trainer.ref_sync_steps=0"
+        )
+    elif _is_number(trainer.beta) and trainer.beta == 0:
+        reason = "with trainer.beta=0 there is no reference to refresh. Set a beta > 0, or trainer.ref_sync_steps=0"
+    elif trainer.distributed == "fsdp":
+        reason = (
+            "under trainer.distributed=fsdp the policy is sharded and the reference is not. Use ddp, "
+            "or trainer.ref_sync_steps=0"
+        )
+    return [f"trainer.ref_sync_steps={trainer.ref_sync_steps}: {reason}."] if reason else []
 
 
 def _best_metric_problems(trainer: Any) -> list[str]:

@@ -397,5 +397,19 @@ def reference_model(models: Models) -> Iterator[torch.nn.Module]:
             yield models.policy
 
 
+@torch.no_grad()
+def refresh_reference(models: Models, alpha: float) -> None:
+    """TR-DPO's soft update of the reference (Gorbatovski et al. 2024, "Learn Your Reference
+    Model for Real Good Alignment"; TRL's sync_ref_model): ref <- alpha * policy + (1 - alpha) *
+    ref, parameter by parameter, in the reference's dtype and on its device. A full fine-tune's
+    own reference copy only (validate refuses LoRA, whose reference is the base model itself).
+    Example: alpha 0.6, ref 1.0, policy 2.0 -> 1.6."""
+    if models.reference is None:
+        raise ValueError("refresh_reference needs the reference copy of a full fine-tune")
+    policy = dict(models.policy.named_parameters())
+    for name, reference in models.reference.named_parameters():
+        reference.mul_(1.0 - alpha).add_(policy[name].detach().to(reference.device, reference.dtype), alpha=alpha)
+
+
 def trainable_parameters(model: torch.nn.Module) -> list[torch.nn.Parameter]:
     return [p for p in model.parameters() if p.requires_grad]
