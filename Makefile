@@ -67,7 +67,7 @@ XDIST := -n $(PYTEST_WORKERS) --dist loadgroup
 # pytest exits 5 when it collected no test: that is a broken suite, not a pass.
 VLLM_TESTS := -m vllm tests/test_vllm.py
 test: install install-vllm
-	@$(BIN)/python -m pytest $(XDIST) -m 'not vllm'; status=$$?; \
+	@$(BIN)/python -m pytest $(XDIST) --durations=15 -m 'not vllm'; status=$$?; \
 	$(VLLM_BIN)/python -m pytest $(XDIST) $(VLLM_TESTS); vllm_status=$$?; \
 	for code in $$status $$vllm_status; do \
 	  if [ $$code -eq 5 ]; then echo "make test: pytest collected no tests"; exit 1; fi; \

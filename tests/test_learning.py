@@ -1,5 +1,5 @@
 """The embedded default visibly learns: `grpo-train` with no arguments, held-out greedy eval;
-so does each other advantage mode (docs/ALGORITHM.md quotes the numbers of these runs). The
+so do the other advantage modes and the GSPO and CISPO objectives (docs/ALGORITHM.md quotes the numbers of these runs). The
 default run is the first 700 steps of the 1000-step run below. sampler=hf has no learning run of
 its own: it draws from the same distribution as the default sampler, which
 tests/test_fast_sampler.py checks directly (identical greedy completions, token frequencies,
@@ -39,14 +39,23 @@ def assert_learns(run_dir, result, name: str) -> None:
     assert "greedy eval accuracy, before -> after" in result.stdout
 
 
-ALGORITHMS = {"rloo": "algorithm=rloo", "dr_grpo": "algorithm=dr_grpo"}
+# GSPO and CISPO at mu = 2: at one pass per rollout their ratio is 1 and their gradient is GRPO's
+# (tests/test_objectives.py), so only a second pass over the same batch tells them apart.
+ALGORITHMS = {
+    "rloo": "algorithm=rloo",
+    "dr_grpo": "algorithm=dr_grpo",
+    "gspo": "algorithm=gspo trainer.num_iterations=2",
+    "cispo": "algorithm=cispo trainer.num_iterations=2",
+}
 
 
-@pytest.fixture(scope="module")
+# Session scope, not module: xdist may run another module's test between two of this group's, and
+# pytest tears a module fixture down at every change of module, so the runs were made twice.
+@pytest.fixture(scope="session")
 def algorithm_runs(tmp_path_factory, tiny_model_dir):
-    """The rloo and dr_grpo runs, started together and awaited: {name: (run dir, result)}. A step
+    """The runs of ALGORITHMS, started together and awaited: {name: (run dir, result)}. A step
     of the tiny model is interpreter overhead more than arithmetic (60 steps of the default took
-    33.2 s on one thread, 33.5 s on two), so on 2 cores the two runs take about the time of one.
+    33.2 s on one thread, 33.5 s on two), so on 2 cores two runs take about the time of one.
     One thread each, so that their math libraries do not contend for the cores."""
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
     started = {}
@@ -54,7 +63,7 @@ def algorithm_runs(tmp_path_factory, tiny_model_dir):
         folder = tmp_path_factory.mktemp(name)
         output = (folder / "stdout.txt").open("w"), (folder / "stderr.txt").open("w")
         process = subprocess.Popen(
-            [GRPO_TRAIN, override, f"hydra.run.dir={folder / 'run'}"],
+            [GRPO_TRAIN, *override.split(), f"hydra.run.dir={folder / 'run'}"],
             stdout=output[0],
             stderr=output[1],
             text=True,
@@ -79,7 +88,7 @@ def algorithm_runs(tmp_path_factory, tiny_model_dir):
 
 
 @pytest.mark.slow
-@pytest.mark.xdist_group("algorithm_runs")  # one worker starts the two runs, and both tests read them
+@pytest.mark.xdist_group("algorithm_runs")  # one worker starts the runs, and each test reads its own
 @pytest.mark.parametrize("name", ALGORITHMS)
 def test_run_raises_greedy_eval_accuracy(algorithm_runs, name):
     run_dir, result = algorithm_runs[name]
