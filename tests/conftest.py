@@ -64,6 +64,16 @@ def pytest_runtest_protocol(item, nextitem):
             torch.set_num_threads(1)
 
 
+@pytest.fixture(autouse=True)
+def onednn_gemm_on(monkeypatch):
+    # oneDNN's float32 GEMM is opt-in (models/cpu_gemm.onednn_enabled); tests in this process
+    # take its path wherever the CPU and torch allow it, so it stays right while it waits.
+    # Runs started as `grpo-train` subprocesses keep the default.
+    from grpo_cli.models import cpu_gemm
+
+    monkeypatch.setattr(cpu_gemm, "onednn_enabled", lambda: True)
+
+
 @pytest.fixture(scope="session")
 def tiny_model_dir() -> Path:
     from grpo_cli.models.sources import resolve_model

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from grpo_cli.data.prompts import PromptSource
+from grpo_cli.models.cpu_gemm import onednn_gemm_available
 from grpo_cli.models.loading import load_models
 from grpo_cli.sampling import Sampler, make_sampler
 from grpo_cli.sampling.fast import (
@@ -22,7 +23,7 @@ from grpo_cli.sampling.fast import (
     single_query_attention,
 )
 from grpo_cli.sampling.hf import HFSampler
-from grpo_cli.sampling.packed import PackedLinears, packed_gemm_available
+from grpo_cli.sampling.packed import PackedLinears, decode_gemm, packed_gemm_available
 from helpers import config, homogeneity_p_value, multinomial_draw, token_counts
 
 
@@ -214,6 +215,7 @@ def test_under_autocast_the_decode_steps_use_weight_copies_made_once_with_the_sa
         return cast_forward(weight, bias, dtype)
 
     monkeypatch.setattr(packed, "cast_forward", counted_cast_forward)
+    monkeypatch.setattr(packed, "onednn_gemm_available", lambda: False)  # the copies' path, not oneDNN's
     rollouts, scores = [], {True: [], False: []}
     for held in (True, False):
         with monkeypatch.context() as patch:
@@ -230,6 +232,104 @@ def test_under_autocast_the_decode_steps_use_weight_copies_made_once_with_the_sa
     assert copies == Counter({torch.bfloat16: linears})  # once per decode, not per token
     assert len(scores[True]) == 8 and all(map(torch.equal, scores[True], scores[False]))
     assert torch.equal(rollouts[0].completion_ids, rollouts[1].completion_ids)
+    assert not any("forward" in vars(module) for module in models.policy.modules())
+
+
+needs_onednn = pytest.mark.skipif(not onednn_gemm_available(), reason="this torch has no oneDNN linear ops")
+
+
+@needs_onednn
+@pytest.mark.parametrize("dtype", [None, torch.bfloat16])
+def test_reordered_linears_compute_the_layers_own_products_and_step_aside_after(dtype):
+    from grpo_cli.sampling.packed import ReorderedLinears
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 24), torch.nn.Linear(24, 8, bias=False), torch.nn.Linear(8, 4))
+    hooked = model[2]
+    hooked.forward = lambda inputs: torch.zeros(inputs.shape[0], 4)  # a forward replaced by someone else
+    reordered = ReorderedLinears(model, rows=5, dtype=dtype)
+    assert [module for module, _ in reordered.forwards] == [model[0], model[1]]
+    autocast = torch.autocast("cpu", dtype=dtype) if dtype else contextlib.nullcontext()
+    for shape in ((5, 16), (3, 16), (5, 1, 16)):  # the rows laid out for, others, a decode step's [N, 1, h]
+        inputs = torch.randn(shape)
+        with torch.inference_mode(), autocast:
+            expected = model[1](model[0](inputs))
+            with reordered:
+                got = model[1](model[0](inputs))
+        assert got.dtype == expected.dtype == (dtype or torch.float32)
+        # bfloat16 keeps 8 bits: 2e-2 is its rounding of these sums; float32 agrees to 1e-6
+        tolerance = 2e-2 if dtype else 1e-6
+        torch.testing.assert_close(got, expected, rtol=tolerance, atol=tolerance)
+    assert "forward" not in vars(model[0]) and "forward" not in vars(model[1]) and "forward" in vars(hooked)
+
+
+@pytest.mark.parametrize("intel", [False, True])
+@pytest.mark.parametrize("onednn", [False, True])
+@pytest.mark.parametrize("autocast", [None, torch.bfloat16])
+def test_decode_gemm_takes_onednn_except_for_float32_on_intel_where_mkl_packs(intel, onednn, autocast, monkeypatch):
+    import grpo_cli.sampling.packed as packed
+
+    monkeypatch.setattr(packed, "intel_cpu", lambda: intel)  # the CPU, forced either way
+    monkeypatch.setattr(packed, "onednn_gemm_available", lambda: onednn)
+    monkeypatch.setattr(packed, "packed_gemm_available", lambda: True)
+    expected = {
+        (False, True): "onednn",
+        (True, True): "onednn" if autocast else "mkl_packed",
+        (False, False): "bfloat16_copy" if autocast else "plain",
+        (True, False): "bfloat16_copy" if autocast else "mkl_packed",
+    }[intel, onednn]
+    assert decode_gemm(autocast) == expected
+
+
+@needs_onednn
+@pytest.mark.parametrize("autocast", [None, torch.bfloat16])
+def test_sampling_with_weights_laid_out_for_onednn_draws_from_the_same_distribution(
+    tiny_model_dir, autocast, monkeypatch
+):
+    # On a CPU other than Intel's the decode steps multiply through oneDNN by weights laid out
+    # once per decode (in bfloat16 under autocast). Each step's scores are those of the layers'
+    # own products (autocast's per-call casts under autocast) to rounding; the plain run is fed
+    # the laid-out run's tokens, so both score the same sequences (as the packed test above).
+    import grpo_cli.sampling.fast as fast
+    import grpo_cli.sampling.packed as packed
+    from grpo_cli.sampling.fast import FastSampler
+
+    monkeypatch.setattr(packed, "intel_cpu", lambda: False)  # oneDNN's CPU, forced
+    cfg, models, _ = setup(tiny_model_dir, "fast", "sampler.max_new_tokens=8", "sampler.min_new_tokens=8")
+    batch = PromptSource(cfg.data, models.tokenizer).next_batch()
+    sampler = make_sampler(cfg.sampler, models.tokenizer, autocast=autocast)
+    laid_out = Counter()
+    reordered_forward = packed.reordered_forward
+
+    def counted(weight, bias, rows, dtype):
+        laid_out.update([rows])
+        return reordered_forward(weight, bias, rows, dtype)
+
+    monkeypatch.setattr(packed, "reordered_forward", counted)
+    scores, drawn = {True: [], False: []}, []
+
+    def replaying_draw(step_scores, greedy):
+        scores[reordering].append(step_scores.clone())
+        if reordering:
+            drawn.append(draw_tokens(step_scores, greedy))
+        return drawn[len(scores[reordering]) - 1]
+
+    for reordering in (True, False):
+        with monkeypatch.context() as patch:
+            patch.setattr(fast, "draw_tokens", replaying_draw)
+            if not reordering:
+                patch.setattr(FastSampler, "decode_weights", lambda *args: contextlib.nullcontext())
+            torch.manual_seed(0)
+            sampler.sample(models.policy, batch)
+    linears = sum(type(module) is torch.nn.Linear for module in models.policy.modules())
+    assert laid_out == Counter({batch.size * cfg.sampler.group_size: linears})  # once per decode
+    # float32: rounding moves these logits (|x| < 6) by about 3e-6; bfloat16's 8 bits by up to 0.1
+    tolerance = 0.15 if autocast else 1e-4
+    assert len(scores[True]) == len(scores[False]) == 8
+    for step, (ours, plain) in enumerate(zip(scores[True], scores[False])):
+        torch.testing.assert_close(
+            ours, plain, rtol=tolerance, atol=tolerance, msg=lambda m, step=step: f"step {step}: {m}"
+        )
     assert not any("forward" in vars(module) for module in models.policy.modules())
 
 

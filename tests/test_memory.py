@@ -351,7 +351,10 @@ def test_a_seven_b_model_on_a_cpu_plans_its_packed_linear_weights(monkeypatch):
     h, i, layers, vocab = 3584, 18944, 28, 152064
     linears = layers * (h * h + 2 * h * 512 + h * h + 3 * h * i) + vocab * h  # q, k and v (4 KV heads x 128), o; MLP
     assert plan.bytes_of("sampling packed weights") == 4 * linears
-    monkeypatch.setattr(grpo_cli.sampling.packed, "intel_cpu", lambda: False)  # an AMD CPU: nothing packed
+    # an AMD CPU: every linear laid out for oneDNN (the same weights here), or nothing without oneDNN
+    monkeypatch.setattr(grpo_cli.sampling.packed, "intel_cpu", lambda: False)
+    assert plan_memory(cfg, prompt_tokens=256, device="cpu").bytes_of("sampling packed weights") == 4 * linears
+    monkeypatch.setattr(grpo_cli.sampling.packed, "onednn_gemm_available", lambda: False)
     assert plan_memory(cfg, prompt_tokens=256, device="cpu").bytes_of("sampling packed weights") == 0
 
 

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from grpo_cli.algorithm.log_probs import completion_log_probs
+from grpo_cli.models import cpu_gemm
 from grpo_cli.models.loading import load_models
 from grpo_cli.models.transformers_api import CACHE
 from grpo_cli.sampling.rollouts import completion_mask
@@ -362,3 +363,24 @@ def test_the_entropy_controls_reach_the_update(tiny_model_dir):
     assert masked.grad_norm != pytest.approx(plain.grad_norm, rel=1e-3)
     assert bonus.grad_norm != pytest.approx(plain.grad_norm, rel=1e-3)
     assert bonus.entropy == pytest.approx(plain.entropy, rel=1e-6)  # the first pass's metric: before any step
+
+
+@pytest.mark.skipif(not cpu_gemm.onednn_gemm_available(), reason="this torch has no oneDNN linear ops")
+def test_an_update_through_onednn_equals_one_through_torchs_gemm(tiny_model_dir, monkeypatch):
+    # On a CPU other than Intel's the update's float32 linears (the reference pass, the policy's
+    # forward and backward, the head's chunks) multiply through oneDNN; forced either way here,
+    # the step's numbers agree to float32 rounding, with mu = 2 so the ratio and clip see it.
+    stats, products = {}, []
+    onednn_linear = cpu_gemm.onednn_linear
+    monkeypatch.setattr(cpu_gemm, "onednn_linear", lambda *args: products.append(1) or onednn_linear(*args))
+    for intel in (False, True):
+        monkeypatch.setattr(cpu_gemm, "intel_cpu", lambda intel=intel: intel)
+        cfg = config(tiny_model_dir, "trainer.beta=0.04", "trainer.num_iterations=2", "sampler.backend=hf")
+        stats[intel] = one_step(cfg).stats
+        if not intel:
+            assert products, "no product went through oneDNN"
+            products.clear()
+    assert not products  # Intel's CPU: torch's GEMM throughout
+    assert stats[False].loss == pytest.approx(stats[True].loss, rel=1e-4, abs=1e-6)
+    assert stats[False].grad_norm == pytest.approx(stats[True].grad_norm, rel=1e-4)
+    assert stats[False].kl == pytest.approx(stats[True].kl, rel=1e-3, abs=1e-7)

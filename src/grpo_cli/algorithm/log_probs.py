@@ -31,6 +31,7 @@ from grpo_cli.algorithm.losses import (
     token_entropy,
     token_log_probs,
 )
+from grpo_cli.models import cpu_gemm
 from grpo_cli.models.transformers_api import checkpoints_activations, returned_cache, with_cache
 
 # Config fields of models whose logits are not lm_head(hidden): Gemma 2's soft-cap, Cohere's
@@ -233,7 +234,7 @@ def _scatter(values: torch.Tensor | None, where: torch.Tensor, count: int, lengt
 def _scaled_logits(inputs, weight, bias, compute: torch.dtype, temperature: float) -> torch.Tensor:
     """One chunk's logits / temperature in `compute` (float32): [c, h] -> [c, V]. The forward and
     the backward's recomputation must give the same numbers, so both call this."""
-    return torch.nn.functional.linear(inputs, weight, bias).to(compute) / temperature
+    return cpu_gemm.linear(inputs, weight, bias).to(compute) / temperature  # oneDNN where it pays
 
 
 class _LinearHeadLogProbs(torch.autograd.Function):

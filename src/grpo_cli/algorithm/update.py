@@ -32,6 +32,7 @@ from grpo_cli.algorithm.losses import (
 )
 from grpo_cli.config import TrainerConfig
 from grpo_cli.distributed import ONE_PROCESS, World, max_over_ranks, sum_over_ranks
+from grpo_cli.models.cpu_gemm import OneDnnLinears
 from grpo_cli.models.loading import Models, reference_model, trainable_parameters
 from grpo_cli.records import Advantages, Rollout, UpdateStats
 
@@ -227,32 +228,34 @@ def update_policy(
         return log_probs.to(device), entropy
 
     policy.train()
-    reference, old = frozen_log_probs(models, batches, log_probs_of, trainer.num_iterations > 1)
     parameters = trainable_parameters(policy)
     totals, grad_norm, skipped = StepTotals(entropy_masked=settings.top_entropy_quantile < 1.0), 0.0, 0
-    for iteration in range(trainer.num_iterations):  # the paper's mu passes over the same rollout
-        optimizer.zero_grad(set_to_none=True)  # nothing to free after a finished pass; a cut-off one
-        totals.start_pass()
-        for index, batch in enumerate(batches):
-            last_batch = index == len(batches) - 1
-            # DDP: gradients are exchanged once per pass, after the last micro-batch.
-            syncing = contextlib.nullcontext() if last_batch or trained is policy else trained.no_sync()
-            with syncing:
-                # the entropy: the first pass's metric, and every pass's for the entropy controls
-                log_probs, entropy = log_probs_of(trained, batch, iteration == 0 or settings.uses_entropy)
-                old_log_probs = old[index] if old is not None else log_probs.detach()
-                correction = sampler_correction(old_log_probs, batch, trainer)
-                losses = (log_probs, old_log_probs, reference[index], batch.advantages, batch.loss_mask)
-                weights = None if correction is None else correction.weights  # [n, t] w
-                loss, metrics = grpo_loss(*losses, settings, denominators, weights, entropy)
-                (loss * rank_scale).backward()
-            if iteration == 0:  # the entropy metric: over every completion token, truncated or not
-                totals.add_entropy((entropy.detach() * batch.mask).sum().item(), float(batch.mask.sum()))
-            if iteration == 0 and correction is not None:  # the sampler's log-probs against the trainer's
-                totals.add_mismatch(old_log_probs, batch, correction)
-            totals.add(loss.item(), metrics)
-        grad_norm = clip_and_step(parameters, optimizer, scheduler, max_grad_norm)
-        skipped += not math.isfinite(grad_norm)
+    # float32 linears by oneDNN where that GEMM is the CPU's fastest; forward and backward both
+    with OneDnnLinears(policy, models.reference):
+        reference, old = frozen_log_probs(models, batches, log_probs_of, trainer.num_iterations > 1)
+        for iteration in range(trainer.num_iterations):  # the paper's mu passes over the same rollout
+            optimizer.zero_grad(set_to_none=True)  # nothing to free after a finished pass; a cut-off one
+            totals.start_pass()
+            for index, batch in enumerate(batches):
+                last_batch = index == len(batches) - 1
+                # DDP: gradients are exchanged once per pass, after the last micro-batch.
+                syncing = contextlib.nullcontext() if last_batch or trained is policy else trained.no_sync()
+                with syncing:
+                    # the entropy: the first pass's metric, and every pass's for the entropy controls
+                    log_probs, entropy = log_probs_of(trained, batch, iteration == 0 or settings.uses_entropy)
+                    old_log_probs = old[index] if old is not None else log_probs.detach()
+                    correction = sampler_correction(old_log_probs, batch, trainer)
+                    losses = (log_probs, old_log_probs, reference[index], batch.advantages, batch.loss_mask)
+                    weights = None if correction is None else correction.weights  # [n, t] w
+                    loss, metrics = grpo_loss(*losses, settings, denominators, weights, entropy)
+                    (loss * rank_scale).backward()
+                if iteration == 0:  # the entropy metric: over every completion token, truncated or not
+                    totals.add_entropy((entropy.detach() * batch.mask).sum().item(), float(batch.mask.sum()))
+                if iteration == 0 and correction is not None:  # the sampler's log-probs against the trainer's
+                    totals.add_mismatch(old_log_probs, batch, correction)
+                totals.add(loss.item(), metrics)
+            grad_norm = clip_and_step(parameters, optimizer, scheduler, max_grad_norm)
+            skipped += not math.isfinite(grad_norm)
     return totals.over_ranks(world).stats(grad_norm, denominators.tokens, skipped)
 
 

@@ -242,8 +242,8 @@ def _sampling_rows(
     cfg: Any, arch: Architecture, shape: StepShape, adapter: Sequence[Weight], phase: str, sequences: int
 ) -> list[PlanRow]:
     """A decode of `sequences` rows (the step's sampling, or the eval's greedy batch): its KV
-    cache, its work, and the copies of the weights sampler=fast decodes with: packed on an Intel
-    CPU, or in bfloat16 under autocast."""
+    cache, its work, and the copies of the weights sampler=fast decodes with: laid out for the
+    CPU's GEMM in float32, or in bfloat16 under autocast."""
     amounts = sampling_amounts(arch, shape.act, sequences, shape.prompt_tokens, shape.new_tokens)
     rows = [_row(f"{phase} {what}", amount, phase) for what, amount in zip(("KV cache", "work"), amounts)]
     packed = packed_linear_weights(cfg, arch, shape.device, shape.dtype, adapter)
@@ -334,25 +334,29 @@ def _update_rows(
 def packed_linear_weights(
     cfg: Any, arch: Architecture, device: str, dtype: str, adapter: Sequence[Weight]
 ) -> Optional[Amount]:
-    """sampler=fast on an Intel CPU in float32 (no autocast) decodes with a packed copy of the float32
-    linear weights of at least PACK_MIN_WEIGHTS elements (sampling/fast.py, PackedLinears): the
-    decoder's unless quantized, the head's, the adapter's. None where nothing is packed."""
+    """sampler=fast on a CPU in float32 (no autocast) decodes with a copy of the float32 linear
+    weights laid out for the GEMM sampling/packed.decode_gemm picks: every one for oneDNN
+    (ReorderedLinears; CPUs other than Intel's), those of at least PACK_MIN_WEIGHTS elements for
+    MKL's packed GEMM (PackedLinears; Intel's): the decoder's unless quantized, the head's, the
+    adapter's. None where nothing is laid out."""
     from grpo_cli.models.loading import resolve_autocast
-    from grpo_cli.sampling.packed import packing_pays
+    from grpo_cli.sampling.packed import decode_gemm
 
+    gemm = decode_gemm(None)
     if (
         device != "cpu"
-        or not packing_pays()
+        or gemm not in ("onednn", "mkl_packed")
         or dtype != "float32"
         or str(cfg.sampler.backend).lower() != "fast"
         or resolve_autocast(cfg.model.autocast, device, parameter_count(model_weights(arch))) != "none"
     ):
         return None
-    count = parameter_count(
-        [weight for weight in _linear_weights(cfg, arch, adapter) if weight.numel >= PACK_MIN_WEIGHTS]
-    )
+    least = 0 if gemm == "onednn" else PACK_MIN_WEIGHTS
+    count = parameter_count([weight for weight in _linear_weights(cfg, arch, adapter) if weight.numel >= least])
     if not count:
         return None
+    if gemm == "onednn":
+        return Amount(4 * count, f"{count:,} weights of linears x 4 B, laid out for oneDNN's GEMM while decoding")
     return Amount(
         4 * count,
         f"{count:,} weights of linears of >= {PACK_MIN_WEIGHTS:,} x 4 B, packed for MKL's GEMM while decoding",

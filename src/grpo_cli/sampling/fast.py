@@ -9,10 +9,10 @@ as transformers' `generate` (`sampler=hf`), with less work per token:
 - a token is drawn with a few tensor operations: min_new_tokens, temperature, top-k, top-p,
   as generate's processors do them and in their order, without its per-step machinery;
 - each token runs through the decoder's layers directly, with the attention mask made once
-  (the model's forward rebuilds it at every token), where the model allows it; there, on an
-  Intel CPU, float32 linear layers multiply by weights packed once per decode (PackedLinears),
-  and under bfloat16 autocast by a bfloat16 copy of their weights made once per decode
-  (LowPrecisionLinears), not cast again at every token;
+  (the model's forward rebuilds it at every token), where the model allows it; there the
+  linear layers multiply by weights laid out once per decode for the CPU's fastest GEMM
+  (packed.decode_gemm: oneDNN's, in bfloat16 under autocast, or MKL's packed one in float32
+  on an Intel CPU), not laid out or cast again at every token;
 - the loop runs under inference mode (no-grad mode under FSDP) and stops as soon as every
   completion has ended.
 
@@ -31,7 +31,7 @@ from grpo_cli.config import SamplerConfig
 from grpo_cli.models.loading import autocast_to
 from grpo_cli.models.transformers_api import returned_cache, with_cache
 from grpo_cli.records import PromptBatch, Rollout
-from grpo_cli.sampling.packed import LowPrecisionLinears, PackedLinears, packing_pays
+from grpo_cli.sampling.packed import LowPrecisionLinears, PackedLinears, ReorderedLinears, decode_gemm
 from grpo_cli.sampling.rollouts import rollout_from
 
 
@@ -286,14 +286,17 @@ class FastSampler:
         return completions.cpu().clone()  # a normal tensor: inference-mode ones cannot enter autograd
 
     def decode_weights(self, policy, rows: int, direct: bool):
-        """The decode steps' weights, prepared once for this decode: under autocast a copy in
-        its dtype; in float32 on an Intel CPU packed for MKL (not under autocast: the packed
-        GEMM would run in float32 where autocast casts). Only layer by layer (`direct`): under
-        FSDP the forward gathers its weights at every call."""
-        if direct and self.autocast is not None:
-            return LowPrecisionLinears(policy, self.autocast)
-        if direct and packing_pays():
+        """The decode steps' weights, prepared once for this decode for the GEMM decode_gemm
+        picks (under autocast in its dtype: MKL's packed GEMM would run in float32 where autocast
+        casts). Only layer by layer (`direct`) on the CPU: under FSDP the forward gathers its
+        weights at every call, and a GPU's GEMM needs no layout."""
+        gemm = decode_gemm(self.autocast) if direct and next(policy.parameters()).device.type == "cpu" else "plain"
+        if gemm == "onednn":
+            return ReorderedLinears(policy, rows, self.autocast)
+        if gemm == "mkl_packed":
             return PackedLinears(policy, rows)
+        if direct and self.autocast is not None:  # "bfloat16_copy" on the CPU, and a GPU's
+            return LowPrecisionLinears(policy, self.autocast)
         return contextlib.nullcontext()
 
     def _any_running(self, running: torch.Tensor) -> bool:
