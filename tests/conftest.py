@@ -65,13 +65,13 @@ def pytest_runtest_protocol(item, nextitem):
 
 
 @pytest.fixture(autouse=True)
-def onednn_gemm_on(monkeypatch):
-    # oneDNN's float32 GEMM is opt-in (models/cpu_gemm.onednn_enabled); tests in this process
-    # take its path wherever the CPU and torch allow it, so it stays right while it waits.
-    # Runs started as `grpo-train` subprocesses keep the default.
+def onednn_takes_small_weights(monkeypatch):
+    # oneDNN's float32 GEMM takes only weights of at least cpu_gemm.ONEDNN_MIN_WEIGHTS, which the
+    # tests' small models lie under; tests in this process take its path wherever the CPU and
+    # torch allow it, so it stays tested. `grpo-train` subprocess runs keep the real threshold.
     from grpo_cli.models import cpu_gemm
 
-    monkeypatch.setattr(cpu_gemm, "onednn_enabled", lambda: True)
+    monkeypatch.setattr(cpu_gemm, "ONEDNN_MIN_WEIGHTS", 0)
 
 
 @pytest.fixture(scope="session")

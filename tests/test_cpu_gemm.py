@@ -8,7 +8,7 @@ import grpo_cli.models.cpu_gemm as cpu_gemm
 import grpo_cli.sampling.packed as packed
 from grpo_cli.models.cpu_gemm import OneDnnLinears
 
-ONEDNN_ENABLED = cpu_gemm.onednn_enabled  # the real switch, before conftest's fixture replaces it
+ONEDNN_MIN_WEIGHTS = cpu_gemm.ONEDNN_MIN_WEIGHTS  # the real threshold, before conftest's fixture lowers it
 
 needs_onednn = pytest.mark.skipif(not cpu_gemm.onednn_gemm_available(), reason="this torch has no oneDNN linear ops")
 
@@ -78,11 +78,48 @@ def test_a_bfloat16_or_hooked_layer_keeps_its_own_forward(monkeypatch):
     assert not OneDnnLinears(model).modules
 
 
-def test_onednn_is_opt_in_by_environment(monkeypatch):
+def test_onednn_is_on_by_default_and_off_by_environment(monkeypatch):
+    monkeypatch.setattr(cpu_gemm, "intel_cpu", lambda: False)
+    monkeypatch.setattr(cpu_gemm, "onednn_gemm_available", lambda: True)
+    monkeypatch.setattr(packed, "intel_cpu", lambda: False)
+    monkeypatch.setattr(packed, "onednn_gemm_available", lambda: True)
     monkeypatch.delenv("GRPO_CLI_ONEDNN_GEMM", raising=False)
-    assert not ONEDNN_ENABLED()
-    monkeypatch.setattr(cpu_gemm, "onednn_enabled", ONEDNN_ENABLED)
+    assert cpu_gemm.onednn_pays() and packed.decode_gemm(None) == "onednn"
+    monkeypatch.setenv("GRPO_CLI_ONEDNN_GEMM", "0")
     assert not cpu_gemm.onednn_pays()
     assert packed.decode_gemm(None) != "onednn" and packed.decode_gemm(torch.bfloat16) != "onednn"
-    monkeypatch.setenv("GRPO_CLI_ONEDNN_GEMM", "1")
-    assert ONEDNN_ENABLED()
+
+
+@needs_onednn
+def test_weights_under_the_threshold_keep_torchs_gemm(monkeypatch):
+    monkeypatch.setattr(cpu_gemm, "intel_cpu", lambda: False)
+    monkeypatch.setattr(cpu_gemm, "ONEDNN_MIN_WEIGHTS", ONEDNN_MIN_WEIGHTS)
+    small = torch.nn.Linear(128, 300)  # the tiny default's largest weight: 38,400 elements
+    large = torch.nn.Linear(576, 192)  # SmolLM2's smallest: 110,592
+    assert [module is large for module in OneDnnLinears(small, large).modules.values()] == [True]
+    products = []
+    onednn_linear = cpu_gemm.onednn_linear
+    monkeypatch.setattr(cpu_gemm, "onednn_linear", lambda *args: products.append(1) or onednn_linear(*args))
+    cpu_gemm.linear(torch.randn(4, 128), small.weight)
+    assert not products
+    cpu_gemm.linear(torch.randn(4, 576), large.weight)
+    assert products == [1]
+
+
+@needs_onednn
+def test_decode_lays_out_large_weights_and_copies_small_ones_under_autocast(monkeypatch):
+    monkeypatch.setattr(cpu_gemm, "ONEDNN_MIN_WEIGHTS", ONEDNN_MIN_WEIGHTS)
+    model = torch.nn.Sequential(torch.nn.Linear(128, 300), torch.nn.Linear(300, 576))  # 38,400 and 172,800
+    assert [module for module, _ in packed.ReorderedLinears(model, rows=4).forwards] == [model[1]]
+    inputs = torch.randn(4, 128)
+    expected = model(inputs)
+    with packed.ReorderedLinears(model, rows=4):
+        torch.testing.assert_close(model(inputs), expected, rtol=1e-5, atol=1e-5)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        expected = model(inputs)
+        laid_out = packed.ReorderedLinears(model, rows=4, dtype=torch.bfloat16)
+        assert len(laid_out.forwards) == 2  # the small one by a bfloat16 copy
+        with laid_out:
+            got = model(inputs)
+    assert got.dtype == torch.bfloat16
+    torch.testing.assert_close(got, expected, rtol=2e-2, atol=2e-2)

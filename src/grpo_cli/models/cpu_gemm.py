@@ -6,7 +6,8 @@ the linear layer's product (inputs @ weight^T) is far from the best the CPU does
 2-core EPYC with avx512 (docs/BENCHMARKS.md), [3600, 576] x [576, 1536] ran at 136-157 GFLOP/s
 through torch's linear and 174-219 through oneDNN, the library torch itself calls for bfloat16
 products and torch.compile's CPU weight freezing calls for float32 ones. On an Intel Xeon MKL is
-Intel's own; oneDNN there is not measured yet, so Intel keeps torch's GEMM.
+Intel's own; oneDNN there is not measured yet, so Intel keeps torch's GEMM. Small weights
+(under ONEDNN_MIN_WEIGHTS elements) keep it too: oneDNN's per-call cost outweighs its kernel.
 
 `OneDnnLinears(model)` is a `with` block within which the model's float32 `nn.Linear` layers on
 the CPU multiply through oneDNN (forward) and through oneDNN and torch's GEMM (backward: the
@@ -42,13 +43,24 @@ def onednn_gemm_available() -> bool:
     )
 
 
+# The smallest weight whose products oneDNN takes. Its call costs ~20 us more than torch's
+# (a primitive found by shape): measured on the EPYC, a [256, 128] weight ran 2.1x slower
+# through it at 16 rows and 0.9-1.0x at 256-1024, SmolLM2's [192, 576] 0.8-0.9x from 256 rows
+# and its [1536, 576] 0.7-0.8x at every row count. The tiny default's weights (at most
+# 300 x 128) stay below it: with them through oneDNN its step took 1.2x longer and its resident
+# memory grew 0.50 -> 0.57 GB over 1000 steps (a primitive per row count met), flat without.
+ONEDNN_MIN_WEIGHTS = 1 << 16
+
+
 def onednn_enabled() -> bool:
-    """Whether oneDNN's GEMM is switched on (GRPO_CLI_ONEDNN_GEMM=1): opt-in for now. Over a
-    1000-step run of the tiny default on the EPYC the process's resident memory grew 0.59 ->
-    0.71 GB with it (flat near 0.55 GB without), plateauing after ~450 steps: oneDNN keeps a
-    primitive per input shape met, and the completions' lengths vary. Until that cache is
-    bounded (or the shapes bucketed), the default keeps torch's GEMM."""
-    return os.environ.get("GRPO_CLI_ONEDNN_GEMM") == "1"
+    """Whether oneDNN's GEMM may be used: yes unless GRPO_CLI_ONEDNN_GEMM=0 (the way back to
+    torch's GEMM everywhere, for comparing or for a CPU where it is not measured to pay)."""
+    return os.environ.get("GRPO_CLI_ONEDNN_GEMM", "1") != "0"
+
+
+def onednn_takes(weight: torch.Tensor) -> bool:
+    """Whether this weight is large enough for oneDNN's GEMM to pay (ONEDNN_MIN_WEIGHTS)."""
+    return weight.numel() >= ONEDNN_MIN_WEIGHTS
 
 
 def onednn_pays() -> bool:
@@ -64,9 +76,10 @@ def onednn_linear(inputs: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
 
 def linear(inputs: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """torch.nn.functional.linear, through oneDNN where it pays for these tensors: float32 on a
-    CPU where onednn_pays, outside autocast. Differentiable either way."""
+    CPU where onednn_pays, outside autocast, a weight oneDNN takes. Differentiable either way."""
     if (
         inputs.dtype == weight.dtype == torch.float32
+        and onednn_takes(weight)
         and inputs.device.type == "cpu"
         and not torch.is_autocast_enabled("cpu")
         and onednn_pays()
@@ -99,7 +112,7 @@ class _OneDnnLinear(torch.autograd.Function):
 
 class OneDnnLinears:
     """A reusable `with` block within which the float32 `nn.Linear` layers on the CPU of every
-    model given (None skipped) call `linear` with their current weights: oneDNN where it pays,
+    model given (None skipped), of weights oneDNN takes, call `linear` with their current weights: oneDNN where it pays,
     their own product elsewhere and under autocast. Nothing is swapped where oneDNN does not
     pay, and a module whose forward is already replaced on the instance (hooks) is left alone.
     Hold it over the forward and the backward both: a checkpointed layer replays its forward
@@ -111,7 +124,8 @@ class OneDnnLinears:
             return
         for model in models:
             for module in () if model is None else cpu_float32_linears(model):
-                self.modules[id(module)] = module
+                if onednn_takes(module.weight):
+                    self.modules[id(module)] = module
 
     def __enter__(self):
         for module in self.modules.values():

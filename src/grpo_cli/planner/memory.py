@@ -25,6 +25,7 @@ from omegaconf import OmegaConf
 from grpo_cli.algorithm.update import shared_prompt_pass_group
 from grpo_cli.config import EVAL_BATCH, ArchitectureConfig, beta_schedule, boosted_group_size
 from grpo_cli.launch import launched_world_size
+from grpo_cli.models.cpu_gemm import ONEDNN_MIN_WEIGHTS
 from grpo_cli.planner.architecture import (
     Architecture,
     Weight,
@@ -335,8 +336,8 @@ def packed_linear_weights(
     cfg: Any, arch: Architecture, device: str, dtype: str, adapter: Sequence[Weight]
 ) -> Optional[Amount]:
     """sampler=fast on a CPU in float32 (no autocast) decodes with a copy of the float32 linear
-    weights laid out for the GEMM sampling/packed.decode_gemm picks: every one for oneDNN
-    (ReorderedLinears; CPUs other than Intel's), those of at least PACK_MIN_WEIGHTS elements for
+    weights laid out for the GEMM sampling/packed.decode_gemm picks: those of at least
+    ONEDNN_MIN_WEIGHTS elements for oneDNN (ReorderedLinears; CPUs other than Intel's), of at least PACK_MIN_WEIGHTS for
     MKL's packed GEMM (PackedLinears; Intel's): the decoder's unless quantized, the head's, the
     adapter's. None where nothing is laid out."""
     from grpo_cli.models.loading import resolve_autocast
@@ -351,12 +352,15 @@ def packed_linear_weights(
         or resolve_autocast(cfg.model.autocast, device, parameter_count(model_weights(arch))) != "none"
     ):
         return None
-    least = 0 if gemm == "onednn" else PACK_MIN_WEIGHTS
+    least = ONEDNN_MIN_WEIGHTS if gemm == "onednn" else PACK_MIN_WEIGHTS
     count = parameter_count([weight for weight in _linear_weights(cfg, arch, adapter) if weight.numel >= least])
     if not count:
         return None
     if gemm == "onednn":
-        return Amount(4 * count, f"{count:,} weights of linears x 4 B, laid out for oneDNN's GEMM while decoding")
+        return Amount(
+            4 * count,
+            f"{count:,} weights of linears of >= {ONEDNN_MIN_WEIGHTS:,} x 4 B, laid out for oneDNN's GEMM while decoding",
+        )
     return Amount(
         4 * count,
         f"{count:,} weights of linears of >= {PACK_MIN_WEIGHTS:,} x 4 B, packed for MKL's GEMM while decoding",

@@ -140,7 +140,8 @@ def cast_forward(weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.d
 
 class ReorderedLinears(_SwappedForwards):
     """A reusable `with` block within which the policy's float32 `nn.Linear` layers on the CPU
-    multiply, through oneDNN, by their weights laid out once for inputs of `rows` rows: in
+    (of weights oneDNN takes: cpu_gemm.ONEDNN_MIN_WEIGHTS; under autocast the smaller ones get
+    LowPrecisionLinears' copy) multiply, through oneDNN, by their weights laid out once for inputs of `rows` rows: in
     float32, or, for decode steps under torch.autocast in `dtype`, a copy in `dtype` (autocast's
     inputs and output dtype, as LowPrecisionLinears).
 
@@ -153,10 +154,13 @@ class ReorderedLinears(_SwappedForwards):
     module whose forward is already replaced on the instance (hooks) is left alone."""
 
     def __init__(self, policy, rows: int, dtype: torch.dtype | None = None):
-        self.forwards = [
-            (module, reordered_forward(module.weight.detach(), module.bias, rows, dtype))
-            for module in cpu_float32_linears(policy)
-        ]
+        self.forwards = []
+        for module in cpu_float32_linears(policy):
+            weight = module.weight.detach()
+            if cpu_gemm.onednn_takes(weight):
+                self.forwards.append((module, reordered_forward(weight, module.bias, rows, dtype)))
+            elif dtype is not None:  # too small for oneDNN to pay: a copy in dtype, as LowPrecisionLinears
+                self.forwards.append((module, cast_forward(weight, module.bias, dtype)))
 
 
 def reordered_forward(weight: torch.Tensor, bias: torch.Tensor | None, rows: int, dtype: torch.dtype | None):
