@@ -12,7 +12,7 @@ def step_metrics(
     """The computed keys of the step's metrics.jsonl row (the loop adds the timed ones): rewards
     per function (None scores left out), advantages, the update's loss, KL, clipping, entropy
     and gradient norm, completion lengths, and the learning rate and beta in force."""
-    lengths = rollout.completion_mask.sum(dim=1).float()
+    lengths = rollout.trained_mask.sum(dim=1).float()  # the policy's own tokens (multi-turn: not the tools')
     metrics = {
         "reward/mean": rewards.total.mean().item(),
         "reward/std": rewards.total.std().item(),

@@ -40,6 +40,15 @@ class Rollout:
     # the distribution it drew from; None where the sampler keeps none (fast, hf: the trainer's
     # own weights and kernels). The update measures the mismatch and corrects for it.
     sampler_log_probs: torch.Tensor | None = None
+    # [B*G, T] 1 on the tokens the policy sampled. A multi-turn rollout's completion holds the
+    # tool's, the environment's and the template's tokens between turns too (completion_mask 1:
+    # attended); they are 0 here, so the loss, the KL, the entropy and the lengths leave them
+    # out. None: every completion token is the policy's (completion_mask).
+    policy_mask: torch.Tensor | None = None
+
+    @property
+    def trained_mask(self) -> torch.Tensor:  # [B*G, T] the policy's own tokens
+        return self.completion_mask if self.policy_mask is None else self.policy_mask
 
     @property
     def num_prompts(self) -> int:
@@ -56,6 +65,7 @@ class Rollout:
             completion_mask=self.completion_mask[index],
             truncated=self.truncated[index],
             sampler_log_probs=None if self.sampler_log_probs is None else self.sampler_log_probs[index],
+            policy_mask=None if self.policy_mask is None else self.policy_mask[index],
             prompts=[self.prompts[row] for row in rows],
             completions=[self.completions[row] for row in rows],
             columns={key: [values[row] for row in rows] for key, values in self.columns.items()},
@@ -69,7 +79,11 @@ class Rollout:
 
         def padded(name: str, left: bool) -> torch.Tensor | None:
             tensors = [getattr(part, name) for part in parts]
-            if any(tensor is None for tensor in tensors):  # sampler_log_probs of a sampler that keeps none
+            if all(tensor is None for tensor in tensors):
+                return None
+            if name == "policy_mask":  # a single-turn round among multi-turn ones: all its tokens
+                tensors = [part.trained_mask for part in parts]
+            elif any(tensor is None for tensor in tensors):  # sampler_log_probs of a sampler that keeps none
                 return None
             length = max(tensor.shape[1] for tensor in tensors)
             sides = [(length - tensor.shape[1], 0) if left else (0, length - tensor.shape[1]) for tensor in tensors]
@@ -83,6 +97,7 @@ class Rollout:
             completion_mask=padded("completion_mask", left=False),
             truncated=torch.cat([part.truncated for part in parts]),
             sampler_log_probs=padded("sampler_log_probs", left=False),
+            policy_mask=padded("policy_mask", left=False),
             prompts=[text for part in parts for text in part.prompts],
             completions=[text for part in parts for text in part.completions],
             columns={key: [value for part in parts for value in part.columns[key]] for key in parts[0].columns},

@@ -46,10 +46,15 @@ class MicroBatch(NamedTuple):
     prompt_mask: torch.Tensor  # [n, p]
     completion_ids: torch.Tensor  # [n, t] t <= T: the longest completion of these rows
     mask: torch.Tensor  # [n, t] completion tokens (1 up to and including EOS)
-    loss_mask: torch.Tensor  # [n, t] the tokens in the loss (mask, less truncated completions under mask_truncated)
+    loss_mask: torch.Tensor  # [n, t] the tokens in the loss (the policy's own, less truncated ones: mask_truncated)
     advantages: torch.Tensor  # [n]
     sampler_log_probs: torch.Tensor | None  # [n, t] the sampler's own log-probs (Rollout.sampler_log_probs)
     prompt_pass_group: int = 1  # G where one prompt pass serves each group of G rows (whole groups), else 1
+    policy_mask: torch.Tensor | None = None  # [n, t] the policy's own tokens (multi-turn); None = mask
+
+    @property
+    def policy_tokens(self) -> torch.Tensor:  # [n, t] the policy's tokens, truncated or not
+        return self.mask if self.policy_mask is None else self.policy_mask
 
 
 def micro_batch(
@@ -62,6 +67,7 @@ def micro_batch(
     advantages: torch.Tensor,
     sampler_log_probs: torch.Tensor | None = None,
     prompt_pass_group: int = 1,
+    policy_mask: torch.Tensor | None = None,
 ) -> MicroBatch:
     """MicroBatch of `rows` (a slice or row indices; [N, P] prompts, left-padded; [N, T]
     completions). Example: prompts [[0, 0, 5], [0, 6, 7]] keep their last two columns;
@@ -78,6 +84,7 @@ def micro_batch(
         advantages[rows],
         None if sampler_log_probs is None else sampler_log_probs[rows, :width],
         prompt_pass_group,
+        None if policy_mask is None else policy_mask[rows, :width],
     )
 
 
@@ -92,7 +99,7 @@ class StepTotals:
     tokens: float = 0.0  # loss tokens, all passes
     entropy_kept: float = 0.0  # ... of them kept by the entropy mask (top_entropy_quantile), all passes
     entropy_masked: bool = False  # whether top_entropy_quantile < 1 (entropy_kept is then logged)
-    entropy_sum: float = 0.0  # first pass, over every completion token (truncated or not)
+    entropy_sum: float = 0.0  # first pass, over every token of the policy's (truncated or not)
     entropy_tokens: float = 0.0
     mismatch_sum: float = 0.0  # first pass, over loss tokens: |log pi_trainer - log pi_sampler|
     mismatch_tokens: float = 0.0  # the loss tokens it was measured on (0: the sampler keeps no log-probs)
@@ -249,8 +256,9 @@ def update_policy(
                     weights = None if correction is None else correction.weights  # [n, t] w
                     loss, metrics = grpo_loss(*losses, settings, denominators, weights, entropy)
                     (loss * rank_scale).backward()
-                if iteration == 0:  # the entropy metric: over every completion token, truncated or not
-                    totals.add_entropy((entropy.detach() * batch.mask).sum().item(), float(batch.mask.sum()))
+                if iteration == 0:  # the entropy metric: over every token of the policy's, truncated or not
+                    own = batch.policy_tokens
+                    totals.add_entropy((entropy.detach() * own).sum().item(), float(own.sum()))
                 if iteration == 0 and correction is not None:  # the sampler's log-probs against the trainer's
                     totals.add_mismatch(old_log_probs, batch, correction)
                 totals.add(loss.item(), metrics)
@@ -342,9 +350,9 @@ def micro_batches(
     rank's loss is then its share of the step's loss."""
     prompt_ids, prompt_mask = rollout.prompt_ids.to(device), rollout.prompt_mask.to(device)
     completion_ids, mask = rollout.completion_ids.to(device), rollout.completion_mask.to(device)
-    loss_mask = mask
+    loss_mask = rollout.trained_mask.to(device)  # multi-turn: the tool's and template's tokens left out
     if trainer.mask_truncated:  # DAPO's overlong filter: no credit or blame for a cut-off answer
-        loss_mask = mask * (~rollout.truncated).to(device).unsqueeze(1).to(mask.dtype)
+        loss_mask = loss_mask * (~rollout.truncated).to(device).unsqueeze(1).to(loss_mask.dtype)
     advantage_values = advantages.values.to(device)
     sampler_log_probs = None if rollout.sampler_log_probs is None else rollout.sampler_log_probs.to(device)
     count = completion_ids.shape[0]
@@ -356,7 +364,8 @@ def micro_batches(
         lengths = (prompt_mask.sum(dim=1).cpu(), mask.sum(dim=1).cpu())
         cuts = token_budget_rows(*lengths, prompt_pass_group, trainer.micro_batch_tokens)
     tensors = (prompt_ids, prompt_mask, completion_ids, mask, loss_mask, advantage_values, sampler_log_probs)
-    batches = [micro_batch(rows, *tensors, group) for rows, group in cuts]
+    policy_mask = None if rollout.policy_mask is None else rollout.policy_mask.to(device)
+    batches = [micro_batch(rows, *tensors, group, policy_mask) for rows, group in cuts]
     # The sampler pads every completion to max_new_tokens, so T is Dr. GRPO's constant.
     sequences, tokens = sum_over_ranks([count, float(loss_mask.sum())], world)
     return batches, LossDenominators(

@@ -9,13 +9,10 @@ call's completions stops the run, with a message naming it (a bug, not a bad com
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import inspect
 import math
-import signal
-import threading
-from collections.abc import Callable, Iterable, Iterator, Mapping, Set
+from collections.abc import Callable, Iterable, Mapping, Set
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -26,6 +23,7 @@ from omegaconf import OmegaConf
 from grpo_cli.config import ConfigError, normalizes_each
 from grpo_cli.records import Rewards, Rollout
 from grpo_cli.rewards.shaping import combine_rewards
+from grpo_cli.time_limit import TimeLimitExceeded, time_limit
 
 RESERVED_KEYS = ("_target_", "weight", "name")
 
@@ -87,32 +85,6 @@ class RewardCall(NamedTuple):
     error: str | None  # why the first failure happened; None when nothing failed
 
 
-class RewardTimeout(BaseException):
-    """Raised inside a reward function that runs past reward.timeout_s. A BaseException, so that
-    a function's own `except Exception` does not swallow it."""
-
-
-@contextlib.contextmanager
-def time_limit(seconds: float | None) -> Iterator[None]:
-    """Raise RewardTimeout in the code running within, once `seconds` have passed (SIGALRM: the
-    main thread only; elsewhere, and for 0 or None, no limit). Python code is stopped wherever it
-    is, a sleep or a blocking read included; a C loop that never returns to Python is not."""
-    if not seconds or threading.current_thread() is not threading.main_thread():
-        yield
-        return
-
-    def expire(signum, frame):
-        raise RewardTimeout
-
-    previous = signal.signal(signal.SIGALRM, expire)
-    signal.setitimer(signal.ITIMER_REAL, seconds)
-    try:
-        yield
-    finally:
-        signal.setitimer(signal.ITIMER_REAL, 0)
-        signal.signal(signal.SIGALRM, previous)
-
-
 def call_reward(
     function: RewardFunction,
     prompts: list[str],
@@ -149,7 +121,7 @@ def call_reward(
                     "function returns a list of one number (or None) per completion",
                 )
             values = list(returned)  # within the limit: a generator runs here
-    except RewardTimeout:
+    except TimeLimitExceeded:
         return RewardCall(
             [None] * count, count, f"ran longer than reward.timeout_s={timeout:g} s on {count} completions"
         )
@@ -309,7 +281,7 @@ class RewardScorer:
         when they accept it.
         """
         shape = (rollout.num_prompts, rollout.group_size)
-        columns = {**rollout.columns, "completion_length": rollout.completion_mask.sum(dim=1).tolist()}
+        columns = {**rollout.columns, "completion_length": rollout.trained_mask.sum(dim=1).tolist()}
         rewards = self.score_texts(rollout.prompts, rollout.completions, columns, shape)
         if self.normalize_each:
             rewards.shaped = combine_rewards(
