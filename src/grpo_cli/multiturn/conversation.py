@@ -137,12 +137,22 @@ class Conversation:
         self.sampler_log_probs += [0.0] * len(between)
         self.text = full
 
+    def mark(self) -> tuple[int, int, int, str]:
+        """Where the conversation is now, for rewind."""
+        return len(self.messages), len(self.segments), len(self.sampler_log_probs), self.text
+
+    def rewind(self, mark: tuple[int, int, int, str]) -> None:
+        """Back to `mark`: the messages and segments added since are dropped."""
+        messages, segments, log_probs, self.text = mark
+        del self.messages[messages:], self.segments[segments:], self.sampler_log_probs[log_probs:]
+
 
 def round_trip_problem(tokenizer: Any, conversation: Conversation, sampled_turns: list[list[int]]) -> str | None:
     """None when the ids to be trained on are exactly the conversation: the policy's segments
     are `sampled_turns` (the sampler's ids, in order) id for id, the other segments are the
     template's tokens, and prompt + segments decode to the template's text of the finished
-    messages up to the end of the last turn. Else what differs."""
+    messages up to the end of the last turn (less its end-of-turn token where a token limit cut it
+    off). Else what differs."""
     policy_segments = [ids for ids, by_policy in conversation.segments if by_policy]
     if policy_segments != [list(turn) for turn in sampled_turns]:
         return f"the policy's segments {policy_segments} are not the sampled ids {sampled_turns}"
@@ -154,6 +164,8 @@ def round_trip_problem(tokenizer: Any, conversation: Conversation, sampled_turns
             f"the trained ids decode to {trained[at : at + 60]!r} where the template renders {rendered[at : at + 60]!r}"
         )
     rest = rendered[len(trained) :]
+    if conversation.truncated and tokenizer.eos_token and rest.startswith(tokenizer.eos_token):
+        rest = rest[len(tokenizer.eos_token) :]  # a turn cut off by a token limit never sampled its end
     if rest.strip():  # after the last turn's end-of-turn token the template may only close the line
         return f"the template renders {rest!r} after the trained ids end"
     for ids, by_policy in conversation.segments:
