@@ -192,6 +192,26 @@ class SamplerConfig:
 
 
 @dataclass
+class RolloutConfig:
+    tools: list[Any] = field(default_factory=list)
+    """Tools the policy may call: each `{_target_: module.function, name: optional, ...fixed
+    arguments}`, a function with type hints and a Google-style docstring (docs/MULTITURN.md).
+    Empty, and no environment: single-turn rollouts."""
+    environment: Optional[Any] = None
+    """`{_target_: module.Class, ...constructor arguments}`: a class with reset(row) -> messages
+    and step(messages) -> (messages, reward or None, done), one instance per conversation. Its
+    reward is the column `environment_reward` (grpo_cli.rewards.environment_reward scores it)."""
+    max_turns: int = 4
+    """Assistant turns a conversation may take (each at most sampler.max_new_tokens)."""
+    max_total_tokens: int = 1024
+    """Tokens after the prompt, the policy's and the tools', a conversation may hold."""
+    tool_timeout_s: float = 10.0
+    """A tool call running longer is stopped; the model reads a timeout error. 0: no limit."""
+    max_tool_chars: int = 2000
+    """A tool's result is cut to this many characters before the model reads it."""
+
+
+@dataclass
 class RewardConfig:
     functions: list[Any] = field(default_factory=lambda: [{"_target_": "grpo_cli.rewards.exact_match", "weight": 1.0}])
     """Reward functions: each `{_target_: module.function, weight: w, ...its own keyword args}`."""
@@ -414,6 +434,7 @@ class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     sampler: SamplerConfig = field(default_factory=SamplerConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
@@ -425,6 +446,7 @@ GROUP_SCHEMAS = {
     "model": ModelConfig,
     "data": DataConfig,
     "sampler": SamplerConfig,
+    "rollout": RolloutConfig,
     "reward": RewardConfig,
     "optimizer": OptimizerConfig,
     "trainer": TrainerConfig,

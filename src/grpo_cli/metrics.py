@@ -42,6 +42,8 @@ def step_metrics(
             "beta": beta,
         }
     )
+    if "turns" in rollout.columns:  # multi-turn rollouts (multiturn/rollout.py)
+        metrics.update(rollout_metrics(rollout))
     if stats.logprob_mismatch is not None:  # a sampler that returns log-probs (sampler=vllm)
         metrics["sampler/logprob_mismatch"] = stats.logprob_mismatch
         metrics["sampler/logprob_mismatch_max"] = stats.logprob_mismatch_max
@@ -51,4 +53,24 @@ def step_metrics(
     if len(stats.clip_fraction_by_pass) > 1:  # mu > 1: pass 1 never clips, the later ones show the drift
         for index, fraction in enumerate(stats.clip_fraction_by_pass, start=1):
             metrics[f"clip/fraction_pass{index}"] = fraction
+    return metrics
+
+
+def rollout_metrics(rollout: Rollout) -> dict[str, float]:
+    """Per conversation, averaged: assistant turns, tool calls, the policy's tokens and the others'
+    (the tools', the environment's, the template's); bad calls summed, by kind."""
+    count = max(1, len(rollout.prompts))
+    others = (rollout.completion_mask - rollout.trained_mask).sum(dim=1).float()
+    metrics = {
+        "rollout/turns": sum(rollout.columns["turns"]) / count,
+        "rollout/tool_calls": sum(rollout.columns["tool_calls"]) / count,
+        "rollout/tokens_policy": rollout.trained_mask.sum(dim=1).float().mean().item(),
+        "rollout/tokens_other": others.mean().item(),
+    }
+    errors: dict[str, int] = {}
+    for kinds in rollout.columns["tool_errors"]:
+        for kind, number in kinds.items():
+            errors[kind] = errors.get(kind, 0) + number
+    metrics["rollout/tool_errors"] = sum(errors.values())
+    metrics.update({f"rollout/tool_errors/{kind}": number for kind, number in sorted(errors.items())})
     return metrics

@@ -18,6 +18,7 @@ class PromptBatch:
     input_ids: torch.Tensor  # [B, P] left-padded
     attention_mask: torch.Tensor  # [B, P] 1 for prompt tokens, 0 for left padding
     columns: dict[str, list[Any]]  # each [B]: dataset fields (`answer`, ...) for the rewards
+    messages: list[list[dict[str, Any]]] | None = None  # [B] each prompt's chat (multi-turn starts from it)
 
     @property
     def size(self) -> int:

@@ -374,10 +374,15 @@ def prompt_lengths(data: DataConfig, rows: list[dict[str, Any]], tokenizer) -> l
     return [len(ids) for ids in tokenizer(texts, add_special_tokens=not chat, verbose=False)["input_ids"]]
 
 
+def prompt_messages(text: str, system_prompt: str | None) -> list[dict[str, str]]:
+    """The chat of one prompt: the system prompt where there is one, then the row's text."""
+    messages = [{"role": "system", "content": system_prompt}] if system_prompt else []
+    return [*messages, {"role": "user", "content": text}]
+
+
 def format_prompt(tokenizer, text: str, system_prompt: str | None, use_chat_template: bool) -> str:
     if use_chat_template:
-        messages = [{"role": "system", "content": system_prompt}] if system_prompt else []
-        messages.append({"role": "user", "content": text})
+        messages = prompt_messages(text, system_prompt)
         return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     return f"{system_prompt}\n\n{text}" if system_prompt else text
 
@@ -445,6 +450,9 @@ class PromptSource:
             input_ids=encoded["input_ids"],
             attention_mask=encoded["attention_mask"],
             columns=columns,
+            messages=[prompt_messages(str(row[data.prompt_field]), data.system_prompt) for row in rows]
+            if self.chat
+            else None,
         )
 
     def state_dict(self) -> dict[str, int]:

@@ -21,6 +21,7 @@ from grpo_cli.multiturn.conversation import Conversation
 from grpo_cli.multiturn.environments import Environment, EnvironmentStep, environment_step
 from grpo_cli.multiturn.tools import Tool, parse_tool_calls, run_tool_call
 from grpo_cli.records import PromptBatch, Rollout
+from grpo_cli.sampling.rollouts import rollout_from
 
 
 @dataclass(frozen=True)
@@ -29,6 +30,96 @@ class TurnLimits:
     max_total_tokens: int  # its tokens after the prompt, the policy's and the others'
     tool_timeout_s: float | None  # a tool call running longer is stopped (an error the model reads)
     max_tool_chars: int  # a tool's result is cut to this many characters
+
+
+def is_multi_turn(rollout_cfg: Any) -> bool:
+    """Whether the run's rollout config (None: a config from before the group) has tools or an environment."""
+    return rollout_cfg is not None and (bool(rollout_cfg.tools) or rollout_cfg.environment is not None)
+
+
+class MultiTurnSampler:
+    """The Sampler of a run with rollout.tools or rollout.environment: `inner` (the run's fast,
+    hf or vllm sampler) draws each turn; the conversations make the Rollout."""
+
+    def __init__(self, inner: Any, rollout_cfg: Any, tokenizer: Any, temperature: float):
+        from grpo_cli.config import ConfigError
+        from grpo_cli.multiturn.environments import environment_factory
+        from grpo_cli.multiturn.tools import build_tools
+
+        if not getattr(tokenizer, "chat_template", None):
+            raise ConfigError(
+                "rollout.tools / rollout.environment: multi-turn rollouts need a chat template, and this "
+                "model's tokenizer has none. Use an instruct model (e.g. model=smollm2-135m-instruct) or "
+                "rollout=single_turn."
+            )
+        self.inner, self.tokenizer, self.temperature = inner, tokenizer, temperature
+        self.tools = build_tools(rollout_cfg.tools)
+        self.make_environment = environment_factory(rollout_cfg.environment) if rollout_cfg.environment else None
+        self.limits = TurnLimits(
+            max_turns=int(rollout_cfg.max_turns),
+            max_total_tokens=int(rollout_cfg.max_total_tokens),
+            tool_timeout_s=float(rollout_cfg.tool_timeout_s) or None,
+            max_tool_chars=int(rollout_cfg.max_tool_chars),
+        )
+
+    def openings(self, batch: PromptBatch, copies: int) -> tuple[list[list[dict[str, Any]]], list[Environment] | None]:
+        """Each prompt's first messages `copies` times side by side, and a fresh environment for
+        each conversation (reset on its dataset row: the columns, the prompt's text as `prompt`)."""
+        if batch.messages is None:
+            from grpo_cli.config import ConfigError
+
+            raise ConfigError("multi-turn rollouts need chat prompts: set data.use_chat_template=auto or true.")
+        if self.make_environment is None:
+            return [list(batch.messages[b]) for b in range(batch.size) for _ in range(copies)], None
+        from grpo_cli.multiturn.environments import reset_messages
+
+        environments, opening = [], []
+        for b in range(batch.size):
+            row = {key: values[b] for key, values in batch.columns.items()}
+            row["prompt"] = batch.messages[b][-1]["content"]
+            for _ in range(copies):
+                environment = self.make_environment()
+                environments.append(environment)
+                opening.append(reset_messages(environment, row))
+        return opening, environments
+
+    def conversations(
+        self, policy: Any, batch: PromptBatch, copies: int, greedy: bool
+    ) -> tuple[list[Conversation], bool]:
+        """The batch's conversations played out, and whether the sampler kept its log-probs."""
+        opening, environments = self.openings(batch, copies)
+        kept_log_probs = []
+
+        def sample_turn(turn_batch: PromptBatch) -> Rollout:
+            if not greedy:
+                drawn = self.inner.sample(policy, turn_batch, group_size=1)
+                kept_log_probs.append(drawn.sampler_log_probs is not None)
+                return drawn
+            # The eval's greedy turns: the inner sampler gives text, which is re-encoded (the eval
+            # trains on nothing, so the ids need not be the drawn ones).
+            texts = self.inner.greedy(policy, turn_batch)
+            ids = [
+                self.tokenizer.encode(text, add_special_tokens=False) + [self.tokenizer.eos_token_id] for text in texts
+            ]
+            filled = padded(ids, self.tokenizer.eos_token_id, left=False)
+            return rollout_from(turn_batch, 1, filled, self.tokenizer, 1.0)
+
+        played = run_conversations(sample_turn, self.tokenizer, opening, self.tools, self.limits, environments)
+        return played, bool(kept_log_probs) and all(kept_log_probs)
+
+    def sample(self, policy: Any, batch: PromptBatch, group_size: int | None = None) -> Rollout:
+        group = group_size or self.inner.cfg.group_size
+        conversations, keeps_log_probs = self.conversations(policy, batch, group, greedy=False)
+        return conversations_rollout(
+            conversations, self.tokenizer, batch.texts, batch.columns, group, self.temperature, keeps_log_probs
+        )
+
+    def greedy(self, policy: Any, batch: PromptBatch) -> list[str]:
+        conversations, _ = self.conversations(policy, batch, 1, greedy=True)
+        return [final_answer(c) for c in conversations]
+
+    def close(self) -> None:
+        self.inner.close()
 
 
 def run_conversations(
@@ -163,6 +254,9 @@ def conversations_rollout(
     repeated = {key: [value for value in values for _ in range(group_size)] for key, values in columns.items()}
     repeated["messages"] = [c.messages for c in conversations]
     repeated["environment_reward"] = [c.environment_reward for c in conversations]
+    repeated["turns"] = [c.turns for c in conversations]
+    repeated["tool_calls"] = [c.tool_calls for c in conversations]
+    repeated["tool_errors"] = [dict(c.tool_errors) for c in conversations]
     return Rollout(
         prompt_ids=padded(rows, pad, left=True),  # [B*G, P]
         prompt_mask=padded([[1] * len(ids) for ids in rows], 0, left=True),

@@ -9,12 +9,14 @@ ones below are importable as `grpo_cli.rewards.<name>`.
 """
 
 from grpo_cli.rewards.code import code_execution
+from grpo_cli.rewards.environment import environment_reward
 from grpo_cli.rewards.format import format_reward, length_penalty, overlong_penalty, repetition_penalty
 from grpo_cli.rewards.math import exact_match, math_accuracy
 from grpo_cli.rewards.reward_model import reward_model
 
 __all__ = [
     "code_execution",
+    "environment_reward",
     "exact_match",
     "format_reward",
     "length_penalty",

@@ -67,11 +67,18 @@ def make_sampler(
 def run_sampler(cfg: Any, models: Models, rows: list[dict[str, Any]], synced: bool = False) -> Sampler:
     """The sampler of a run of `cfg` with `models`, whose prompts are `rows` (train and eval):
     for sampler=vllm, its engine is sized to the longest of them."""
+    from grpo_cli.multiturn.rollout import MultiTurnSampler, is_multi_turn
+
     engine = None
     if str(cfg.sampler.backend).lower() == "vllm":
         from grpo_cli.data.prompts import prompt_lengths
         from grpo_cli.sampling.vllm import engine_spec
 
         longest = max(prompt_lengths(cfg.data, rows, models.tokenizer), default=1)
+        if is_multi_turn(cfg.get("rollout")):  # a later turn's prompt holds the earlier turns too
+            longest += int(cfg.rollout.max_total_tokens)
         engine = engine_spec(cfg, models.device, models.autocast_dtype, longest)
-    return make_sampler(cfg.sampler, models.tokenizer, synced, models.autocast_dtype, engine)
+    sampler = make_sampler(cfg.sampler, models.tokenizer, synced, models.autocast_dtype, engine)
+    if is_multi_turn(cfg.get("rollout")):  # rollout.tools / rollout.environment: the sampler draws each turn
+        return MultiTurnSampler(sampler, cfg.rollout, models.tokenizer, cfg.sampler.temperature)
+    return sampler
