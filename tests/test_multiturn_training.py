@@ -115,6 +115,9 @@ def test_a_sampled_multi_turn_rollout_trains_only_the_policys_tokens(smollm2_dir
         models, rollout, advantages, optimizer, make_scheduler(cfg.optimizer, optimizer, 1), cfg.trainer, 1.0, 0.0
     )
     assert stats.tokens == int(rollout.policy_mask.sum()) < int(rollout.completion_mask.sum())
+    batch = PromptSource(cfg.data, models.tokenizer).next_batch()
+    answers = sampler.greedy(models.policy, batch)  # the eval: greedy turns, the last one's text
+    assert len(answers) == 2 and all(isinstance(answer, str) and answer for answer in answers)
 
 
 def test_the_environment_reward_function_reads_the_column_and_none_without_it():
