@@ -68,6 +68,17 @@ def test_multi_turn_needs_a_chat_template(tiny_model_dir, tmp_path):
     assert "need a chat template" in message and "rollout=single_turn" in message
 
 
+def test_a_turn_limit_under_one_is_a_config_error(smollm2_dir, tmp_path):
+    message = input_error(
+        "grpo-train",
+        f"model.name_or_path={smollm2_dir}",
+        "rollout=calculator",
+        "rollout.max_total_tokens=0",
+        cwd=tmp_path,
+    )
+    assert "rollout.max_total_tokens=0: give a whole number of at least 1" in message
+
+
 class OneSentenceMore:
     """Asks for one sentence, then for one more: a task SmolLM2 ends turns on (NumberGuessing's
     answers it rambles through at 40 tokens)."""

@@ -11,6 +11,7 @@ fields (group size >= 2, batch divisibility, files that must exist) live in
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field, fields, is_dataclass
 from typing import Any, NamedTuple, Optional
 
@@ -35,6 +36,20 @@ ROLLOUT_CORRECTIONS = ("none", "token_truncate", "token_mask", "sequence_truncat
 
 class ConfigError(ValueError):
     """A bad config value, data file or model folder. The CLI prints its message and exits 2."""
+
+
+def import_target(target: Any, where: str, load: Callable[[str], Any], kind: str) -> Any:
+    """What the config entry at `where` names by `_target_`, loaded by `load` (hydra's get_method
+    for a function, get_class for a class; `kind` says which); a ConfigError otherwise."""
+    if not target:
+        raise ConfigError(f"{where} has no _target_: give its module.{kind} path.")
+    try:
+        return load(str(target))
+    except Exception as error:
+        raise ConfigError(
+            f"{where}._target_={target}: cannot import it ({error}). Give a module.{kind} path; "
+            f"a {kind} in your own file needs its folder on PYTHONPATH."
+        ) from None
 
 
 @dataclass

@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+from collections import Counter
+
 from grpo_cli.records import Advantages, Rewards, Rollout, UpdateStats
 
 
@@ -67,10 +69,7 @@ def rollout_metrics(rollout: Rollout) -> dict[str, float]:
         "rollout/tokens_policy": rollout.trained_mask.sum(dim=1).float().mean().item(),
         "rollout/tokens_other": others.mean().item(),
     }
-    errors: dict[str, int] = {}
-    for kinds in rollout.columns["tool_errors"]:
-        for kind, number in kinds.items():
-            errors[kind] = errors.get(kind, 0) + number
+    errors = sum((Counter(kinds) for kinds in rollout.columns["tool_errors"]), Counter())
     metrics["rollout/tool_errors"] = sum(errors.values())
     metrics.update({f"rollout/tool_errors/{kind}": number for kind, number in sorted(errors.items())})
     return metrics

@@ -137,6 +137,10 @@ class Conversation:
         self.sampler_log_probs += [0.0] * len(between)
         self.text = full
 
+    def count_error(self, kind: str) -> None:
+        """One more bad tool call of `kind` (multiturn/tools.ERROR_KINDS), or a failed environment step."""
+        self.tool_errors[kind] = self.tool_errors.get(kind, 0) + 1
+
     def mark(self) -> tuple[int, int, int, str]:
         """Where the conversation is now, for rewind."""
         return len(self.messages), len(self.segments), len(self.sampler_log_probs), self.text

@@ -12,9 +12,10 @@ episode's state in its attributes:
             ...  # the conversation so far, the policy's last turn at the end ->
                  # (messages to append, the episode's reward or None, whether it is over)
 
-The reward of the last step that gave one reaches the reward stage as the `environment` reward,
-beside the reward functions. A step that raises on the policy's text ends the episode without a
-reward and is counted (rollout/environment_errors); a step that returns something other than
+The reward of the last step that gave one reaches the reward stage as the column
+`environment_reward` (grpo_cli.rewards.environment_reward scores it), beside the reward
+functions. A step that raises on the policy's text ends the episode without a reward and is
+counted (rollout/tool_errors/environment); a step that returns something other than
 the triple above is a bug in the environment, and its error names the class.
 """
 
@@ -29,8 +30,7 @@ from typing import Any, Protocol
 from hydra.utils import get_class
 from omegaconf import OmegaConf
 
-from grpo_cli.config import ConfigError
-from grpo_cli.multiturn.tools import imported
+from grpo_cli.config import ConfigError, import_target
 
 WHERE = "rollout.environment"
 
@@ -54,7 +54,7 @@ def environment_factory(entry: Any) -> Callable[[], Environment]:
     constructor arguments...}). A ConfigError names what cannot be imported or built."""
     entry = OmegaConf.to_container(entry, resolve=True) if OmegaConf.is_config(entry) else dict(entry)
     target = entry.pop("_target_", None)
-    cls = imported(target, WHERE, get_class, "module.Class")
+    cls = import_target(target, WHERE, get_class, "class")
     missing = [name for name in ("reset", "step") if not callable(getattr(cls, name, None))]
     if missing:
         raise ConfigError(f"{WHERE}._target_={target} has no {' or '.join(missing)} method: see docs/MULTITURN.md.")

@@ -17,9 +17,16 @@ from typing import Any
 
 import torch
 
+from grpo_cli.config import ConfigError
 from grpo_cli.multiturn.conversation import Conversation
-from grpo_cli.multiturn.environments import Environment, EnvironmentStep, environment_step
-from grpo_cli.multiturn.tools import Tool, parse_tool_calls, run_tool_call
+from grpo_cli.multiturn.environments import (
+    Environment,
+    EnvironmentStep,
+    environment_factory,
+    environment_step,
+    reset_messages,
+)
+from grpo_cli.multiturn.tools import Tool, build_tools, parse_tool_calls, run_tool_call
 from grpo_cli.records import PromptBatch, Rollout
 from grpo_cli.sampling.rollouts import rollout_from
 
@@ -41,18 +48,17 @@ class MultiTurnSampler:
     """The Sampler of a run with rollout.tools or rollout.environment: `inner` (the run's fast,
     hf or vllm sampler) draws each turn; the conversations make the Rollout."""
 
-    def __init__(self, inner: Any, rollout_cfg: Any, tokenizer: Any, temperature: float):
-        from grpo_cli.config import ConfigError
-        from grpo_cli.multiturn.environments import environment_factory
-        from grpo_cli.multiturn.tools import build_tools
-
+    def __init__(self, inner: Any, rollout_cfg: Any, tokenizer: Any):
         if not getattr(tokenizer, "chat_template", None):
             raise ConfigError(
                 "rollout.tools / rollout.environment: multi-turn rollouts need a chat template, and this "
                 "model's tokenizer has none. Use an instruct model (e.g. model=smollm2-135m-instruct) or "
                 "rollout=single_turn."
             )
-        self.inner, self.tokenizer, self.temperature = inner, tokenizer, temperature
+        for key in ("max_turns", "max_total_tokens"):  # a conversation holds at least one sampled token
+            if int(rollout_cfg[key]) < 1:
+                raise ConfigError(f"rollout.{key}={rollout_cfg[key]}: give a whole number of at least 1.")
+        self.inner, self.tokenizer = inner, tokenizer
         self.tools = build_tools(rollout_cfg.tools)
         self.make_environment = environment_factory(rollout_cfg.environment) if rollout_cfg.environment else None
         self.limits = TurnLimits(
@@ -66,13 +72,9 @@ class MultiTurnSampler:
         """Each prompt's first messages `copies` times side by side, and a fresh environment for
         each conversation (reset on its dataset row: the columns, the prompt's text as `prompt`)."""
         if batch.messages is None:
-            from grpo_cli.config import ConfigError
-
             raise ConfigError("multi-turn rollouts need chat prompts: set data.use_chat_template=auto or true.")
         if self.make_environment is None:
             return [list(batch.messages[b]) for b in range(batch.size) for _ in range(copies)], None
-        from grpo_cli.multiturn.environments import reset_messages
-
         environments, opening = [], []
         for b in range(batch.size):
             row = {key: values[b] for key, values in batch.columns.items()}
@@ -111,7 +113,13 @@ class MultiTurnSampler:
         group = group_size or self.inner.cfg.group_size
         conversations, keeps_log_probs = self.conversations(policy, batch, group, greedy=False)
         return conversations_rollout(
-            conversations, self.tokenizer, batch.texts, batch.columns, group, self.temperature, keeps_log_probs
+            conversations,
+            self.tokenizer,
+            batch.texts,
+            batch.columns,
+            group,
+            self.inner.cfg.temperature,
+            keeps_log_probs,
         )
 
     def greedy(self, policy: Any, batch: PromptBatch) -> list[str]:
@@ -180,7 +188,7 @@ def respond(
             result = run_tool_call(call, tools, limits.tool_timeout_s, limits.max_tool_chars)
             conversation.tool_calls += 1
             if result.error_kind is not None:
-                conversation.tool_errors[result.error_kind] = conversation.tool_errors.get(result.error_kind, 0) + 1
+                conversation.count_error(result.error_kind)
             replies.append({"role": "tool", "name": call.name or "unknown", "content": result.content})
         conversation.add_messages(tokenizer, replies)
         return
@@ -197,7 +205,7 @@ def judge(conversation: Conversation, environment: Environment) -> EnvironmentSt
     """The environment's step on the policy's last turn; its reward and any error recorded."""
     step = environment_step(environment, conversation.messages)
     if step.error is not None:
-        conversation.tool_errors["environment"] = conversation.tool_errors.get("environment", 0) + 1
+        conversation.count_error("environment")
     if step.reward is not None:
         conversation.environment_reward = step.reward
     return step
@@ -208,10 +216,15 @@ def context_batch(conversations: Sequence[Conversation], tokenizer: Any) -> Prom
     rows = [c.prompt_ids + c.completion_ids for c in conversations]
     return PromptBatch(
         texts=[c.text for c in conversations],
-        input_ids=padded(rows, tokenizer.pad_token_id or 0, left=True),
+        input_ids=padded(rows, pad_id(tokenizer), left=True),
         attention_mask=padded([[1] * len(ids) for ids in rows], 0, left=True),
         columns={},
     )
+
+
+def pad_id(tokenizer: Any) -> int:
+    """The id padding takes (never attended): the pad token, or the end token where there is none."""
+    return tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
 
 
 def padded(rows: Sequence[list[int] | list[float]], value: float, left: bool, dtype=torch.long) -> torch.Tensor:
@@ -237,16 +250,7 @@ def conversations_rollout(
     policy's own tokens; the final assistant message is the completion's text; every row's
     messages and environment reward go to the rewards as the columns `messages` and
     `environment_reward`."""
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    width = max(1, max(c.completion_length for c in conversations))
-    completion_ids = torch.full((len(conversations), width), pad, dtype=torch.long)
-    completion_mask = torch.zeros_like(completion_ids)
-    policy_mask = torch.zeros_like(completion_ids)
-    for row, conversation in enumerate(conversations):
-        length = conversation.completion_length
-        completion_ids[row, :length] = torch.tensor(conversation.completion_ids, dtype=torch.long)
-        completion_mask[row, :length] = 1
-        policy_mask[row, :length] = torch.tensor(conversation.policy_mask, dtype=torch.long)
+    pad = pad_id(tokenizer)
     log_probs = None
     if sampler_keeps_log_probs:
         log_probs = padded([c.sampler_log_probs for c in conversations], 0.0, left=False, dtype=torch.float32)
@@ -260,8 +264,8 @@ def conversations_rollout(
     return Rollout(
         prompt_ids=padded(rows, pad, left=True),  # [B*G, P]
         prompt_mask=padded([[1] * len(ids) for ids in rows], 0, left=True),
-        completion_ids=completion_ids,  # [B*G, T] T = the longest conversation's tail
-        completion_mask=completion_mask,
+        completion_ids=padded([c.completion_ids for c in conversations], pad, left=False),  # [B*G, T] the longest tail
+        completion_mask=padded([[1] * c.completion_length for c in conversations], 0, left=False),
         truncated=torch.tensor([c.truncated for c in conversations], dtype=torch.bool),
         prompts=[text for text in prompts for _ in range(group_size)],
         completions=[final_answer(c) for c in conversations],
@@ -269,7 +273,7 @@ def conversations_rollout(
         group_size=group_size,
         temperature=temperature,
         sampler_log_probs=log_probs,
-        policy_mask=policy_mask,
+        policy_mask=padded([c.policy_mask for c in conversations], 0, left=False),
     )
 
 

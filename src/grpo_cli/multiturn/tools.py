@@ -30,7 +30,7 @@ from typing import Any
 from hydra.utils import get_method
 from omegaconf import OmegaConf
 
-from grpo_cli.config import ConfigError
+from grpo_cli.config import ConfigError, import_target
 from grpo_cli.time_limit import TimeLimitExceeded, time_limit
 
 TOOL_CALL = re.compile(r"<tool_call>(.*?)(?:</tool_call>|$)", re.DOTALL)  # an unclosed tag runs to the end
@@ -73,7 +73,7 @@ def build_tools(entries: Sequence[Any]) -> list[Tool]:
         entry = OmegaConf.to_container(entry, resolve=True) if OmegaConf.is_config(entry) else dict(entry)
         where = f"rollout.tools[{index}]"
         target = entry.get("_target_")
-        fn = imported(target, where, get_method, "module.function")
+        fn = import_target(target, where, get_method, "function")
         fixed = {key: value for key, value in entry.items() if key not in ("_target_", "name")}
         description = describe(fn, where, target, fixed)
         name = str(entry.get("name") or description["name"])
@@ -84,20 +84,6 @@ def build_tools(entries: Sequence[Any]) -> list[Tool]:
             Tool(name, functools.partial(fn, **fixed) if fixed else fn, {"type": "function", "function": description})
         )
     return tools
-
-
-def imported(target: Any, where: str, load: Callable[[str], Any], form: str) -> Any:
-    """The function or class the config entry at `where` names by `_target_` (`form`: the dotted
-    path it must be), loaded by hydra's get_method / get_class; a ConfigError otherwise."""
-    if not target:
-        raise ConfigError(f"{where} has no _target_: give its {form} path.")
-    try:
-        return load(str(target))
-    except Exception as error:
-        raise ConfigError(
-            f"{where}._target_={target}: cannot import it ({error}). Give a {form} path; "
-            "one in your own file needs its folder on PYTHONPATH."
-        ) from None
 
 
 def describe(fn: Callable[..., Any], where: str, target: str, fixed: dict[str, Any]) -> dict[str, Any]:

@@ -20,7 +20,7 @@ import torch
 from hydra.utils import get_method
 from omegaconf import OmegaConf
 
-from grpo_cli.config import ConfigError, normalizes_each
+from grpo_cli.config import ConfigError, import_target, normalizes_each
 from grpo_cli.records import Rewards, Rollout
 from grpo_cli.rewards.shaping import combine_rewards
 from grpo_cli.time_limit import TimeLimitExceeded, time_limit
@@ -44,13 +44,7 @@ def build_reward_functions(entries: Any, shared: dict[str, Any] | None = None) -
     for index, entry in enumerate(entries):
         entry = OmegaConf.to_container(entry, resolve=True) if OmegaConf.is_config(entry) else dict(entry)
         target = entry["_target_"]
-        try:
-            fn = get_method(target)
-        except Exception as error:
-            raise ConfigError(
-                f"reward.functions[{index}]._target_={target}: cannot import it ({error}). Give a "
-                "module.function path; a function in your own file needs its folder on PYTHONPATH."
-            ) from None
+        fn = import_target(target, f"reward.functions[{index}]", get_method, "function")
         arguments = {key: value for key, value in entry.items() if key not in RESERVED_KEYS}
         name = base_name = str(entry.get("name") or target.rsplit(".", 1)[-1])
         explicit = {str(e.get("name")) for i, e in enumerate(entries) if i != index and e.get("name")}

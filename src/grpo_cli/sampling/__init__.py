@@ -80,5 +80,5 @@ def run_sampler(cfg: Any, models: Models, rows: list[dict[str, Any]], synced: bo
         engine = engine_spec(cfg, models.device, models.autocast_dtype, longest)
     sampler = make_sampler(cfg.sampler, models.tokenizer, synced, models.autocast_dtype, engine)
     if is_multi_turn(cfg.get("rollout")):  # rollout.tools / rollout.environment: the sampler draws each turn
-        return MultiTurnSampler(sampler, cfg.rollout, models.tokenizer, cfg.sampler.temperature)
+        return MultiTurnSampler(sampler, cfg.rollout, models.tokenizer)
     return sampler
