@@ -4,11 +4,14 @@ tokens masked out of the update, the rollout metrics in metrics.jsonl."""
 
 from __future__ import annotations
 
+import io
 import json
 
 import pytest
 import torch
+from rich.console import Console
 
+from grpo_cli.tools.report import report
 from helpers import config, grpo_train, input_error
 
 pytestmark = pytest.mark.slow
@@ -61,6 +64,16 @@ def test_a_multi_turn_run_trains_and_logs_its_rollouts(smollm2_dir, sums, tmp_pa
         assert row["rollout/tool_errors"] >= 0 and row["loss"] is not None
     if preset == "number_guessing":  # the environment's opening and its hints are not the policy's
         assert all(row["rollout/tokens_other"] > 0 for row in steps if row["rollout/turns"] > 1)
+    # samples.jsonl keeps each whole conversation, and grpo-report shows the last step's.
+    entries = [json.loads(line) for line in (run / "samples.jsonl").read_text().splitlines()]
+    assert [entry["step"] for entry in entries] == [1, 1, 2, 2]
+    for entry in entries:
+        for conversation, final, turns in zip(entry["conversations"], entry["completions"], entry["turns"]):
+            said = [m["content"] for m in conversation if m["role"] == "assistant"]
+            assert len(said) == turns and said[-1] == final
+    report(run, Console(file=io.StringIO()))
+    samples = (run / "report.md").read_text().split("## Samples")[1]
+    assert "### Step 2" in samples and "assistant: " in samples
 
 
 def test_multi_turn_needs_a_chat_template(tiny_model_dir, tmp_path):

@@ -130,7 +130,26 @@ def sample_entries(step: int, rollout: Any, rewards: Any, advantages: Any, promp
                 "truncated": [bool(t) for t in rollout.truncated[rows]],
             }
         )
+        if "messages" in rollout.columns:  # a multi-turn rollout: the whole conversations
+            entries[-1]["conversations"] = rollout.columns["messages"][rows]
+            entries[-1]["turns"] = rollout.columns["turns"][rows]
     return entries
+
+
+def conversation_lines(entry: dict[str, Any], index: int) -> list[str]:
+    """Completion `index` of a samples entry as lines: its one completion, or (multi-turn) each
+    message after the system prompt as `role: text` (a tool's as `tool NAME: text`), less the
+    opening user message that repeats the entry's prompt."""
+    if "conversations" not in entry:
+        return [entry["completions"][index]]
+    lines = []
+    for position, message in enumerate(entry["conversations"][index]):
+        role = message.get("role", "?")
+        if role == "system" or (position <= 1 and role == "user" and message.get("content") == entry["prompt"]):
+            continue
+        speaker = f"tool {message['name']}" if role == "tool" and message.get("name") else role
+        lines.append(f"{speaker}: {message.get('content', '')}")
+    return lines
 
 
 def _floats(values: Any) -> list[Optional[float]]:
@@ -144,20 +163,28 @@ def samples_table(entry: dict[str, Any]) -> Table:
         title += f" · answer {_shorten(str(entry['answer']), 40)}"
     table = Table(title=title, title_justify="left", show_lines=False)
     table.add_column("#", justify="right")
-    table.add_column("completion", overflow="fold", max_width=COMPLETION_WIDTH)
+    table.add_column(
+        "conversation" if "conversations" in entry else "completion", overflow="fold", max_width=COMPLETION_WIDTH
+    )
     table.add_column("reward", justify="right")
     table.add_column("advantage", justify="right")
-    for index, (text, reward, advantage) in enumerate(zip(entry["completions"], entry["rewards"], entry["advantages"])):
+    for index, (reward, advantage) in enumerate(zip(entry["rewards"], entry["advantages"])):
         cut = " [truncated]" if entry["truncated"][index] else ""
-        table.add_row(str(index), _shorten(text, COMPLETION_WIDTH) + cut, number(reward, 3), number(advantage, 3))
+        text = "\n".join(_shorten(line, COMPLETION_WIDTH) for line in conversation_lines(entry, index)) + cut
+        table.add_row(str(index), text, number(reward, 3), number(advantage, 3))
     return table
 
 
 def samples_text(entry: dict[str, Any]) -> str:
     """The same group as plain lines (logs that are not a terminal) and TensorBoard markdown."""
     lines = [f"step {entry['step']} sample: prompt {entry['prompt']!r}, answer {entry.get('answer')!r}"]
-    for index, (text, reward, advantage) in enumerate(zip(entry["completions"], entry["rewards"], entry["advantages"])):
-        lines.append(f"    {index}: reward {number(reward, 3)}  advantage {number(advantage, 3)}  {text!r}")
+    for index, (reward, advantage) in enumerate(zip(entry["rewards"], entry["advantages"])):
+        said = conversation_lines(entry, index)
+        head = f"    {index}: reward {number(reward, 3)}  advantage {number(advantage, 3)}"
+        if "conversations" not in entry:
+            lines.append(f"{head}  {said[0]!r}")
+        else:  # one line per message
+            lines += [head, *(f"        {line!r}" for line in said)]
     return "\n".join(lines)
 
 

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from grpo_cli.config import LoggerConfig
-from grpo_cli.console import samples_text
+from grpo_cli.console import conversation_lines, samples_text
 
 TENSORBOARD_FOLDER = "tensorboard"
 MLFLOW_RUN_FILE = "mlflow_run_id.txt"  # in the run folder: a resumed run logs to the same MLflow run
@@ -63,10 +63,10 @@ class WandbBackend:
 
     def log_samples(self, entries: list[dict[str, Any]], step: int) -> None:
         columns = ["step", "prompt", "completion", "reward", "advantage"]
-        data = [
-            [step, entry["prompt"], text, reward, advantage]
+        data = [  # a multi-turn completion is its whole conversation, one message a line
+            [step, entry["prompt"], "\n".join(conversation_lines(entry, index)), reward, advantage]
             for entry in entries
-            for text, reward, advantage in zip(entry["completions"], entry["rewards"], entry["advantages"])
+            for index, (reward, advantage) in enumerate(zip(entry["rewards"], entry["advantages"]))
         ]
         self.run.log({"samples": self.wandb.Table(columns=columns, data=data)}, step=step)
 

@@ -23,7 +23,8 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 from rich.console import Console
 from rich.table import Table
 
-from grpo_cli.logs import METRICS_FILE
+from grpo_cli.console import conversation_lines
+from grpo_cli.logs import METRICS_FILE, SAMPLES_FILE, read_metrics
 from grpo_cli.run_summary import (
     ReportError,
     RunData,
@@ -192,8 +193,37 @@ def write_run_report(run: RunData) -> RunSummary:
         lines += [f"![{plot.title}]({PLOTS_DIR}/{plot.name}.png)", ""]
     if skipped:
         lines += ["Not drawn:", "", *(f"- {plot.title}: {why}." for plot, why in skipped)]
+    lines += ["", "## Samples", "", *sample_lines(run.folder)]
     (run.folder / REPORT_FILE).write_text("\n".join(lines) + "\n")
     return summary
+
+
+def sample_lines(folder: Path) -> list[str]:
+    """The last logged step's groups from samples.jsonl: each completion (or multi-turn, its whole
+    conversation, one message a line) with its reward and advantage."""
+    try:
+        entries = [entry for entry in read_metrics(folder, SAMPLES_FILE) if isinstance(entry, dict)]
+        last = max(entry["step"] for entry in entries) if entries else None
+        shown = [entry for entry in entries if entry["step"] == last]
+        lines = []
+        for entry in shown:
+            answer = f" · answer `{entry['answer']}`" if entry.get("answer") is not None else ""
+            lines += [f"### Step {entry['step']}{answer}", "", "Prompt:", "", *fenced(entry["prompt"]), ""]
+            for index, (reward, advantage) in enumerate(zip(entry["rewards"], entry["advantages"])):
+                cut = " · truncated" if entry["truncated"][index] else ""
+                lines += [f"Completion {index} · reward {number(reward)} · advantage {number(advantage)}{cut}", ""]
+                lines += [*fenced("\n".join(conversation_lines(entry, index))), ""]
+    except (ValueError, KeyError, TypeError, IndexError) as error:  # a cut-off or foreign line
+        return [f"{SAMPLES_FILE} is unreadable ({type(error).__name__}: {error}): no samples shown."]
+    if not shown:
+        return [f"No {SAMPLES_FILE} groups: the run logged none (trainer.sample_every=0, or it stopped first)."]
+    return lines
+
+
+def fenced(text: str) -> list[str]:
+    """`text` as a markdown code block, fenced longer than any backtick run inside it."""
+    fence = "`" * max(3, 1 + max((len(run) for run in text.split() if set(run) == {"`"}), default=0))
+    return [fence, text, fence]
 
 
 def settings(config: DictConfig) -> list[tuple[str, str]]:
