@@ -149,3 +149,73 @@ def test_the_environment_reward_function_reads_the_column_and_none_without_it():
 
     assert environment_reward(["p"] * 3, ["a"] * 3, environment_reward=[1, None, 0.5]) == [1.0, None, 0.5]
     assert environment_reward(["p"], ["a"]) == [None]
+
+
+def stall(seconds: int) -> str:
+    """Wait, then say so.
+
+    Args:
+        seconds: How long to wait.
+    """
+    import time
+
+    time.sleep(seconds)
+    return "waited"
+
+
+class ScriptedSampler:
+    """The run's sampler with a scripted policy (test_multiturn_rollout.ScriptedPolicy) drawing
+    the turns: what the policy writes is known, the update still runs on SmolLM2."""
+
+    def __init__(self, cfg, tokenizer, script):
+        from test_multiturn_rollout import ScriptedPolicy
+
+        self.cfg, self.policy = cfg, ScriptedPolicy(tokenizer, script)
+
+    def sample(self, policy, batch, group_size=None):
+        return self.policy(batch)
+
+    def close(self):
+        pass
+
+
+def test_a_tool_that_hangs_is_cut_off_and_the_step_goes_on(smollm2_dir, sums, tmp_path, monkeypatch):
+    import time
+
+    import grpo_cli.sampling
+    from grpo_cli.logs import read_metrics
+    from grpo_cli.pipeline import run
+
+    stalled = '<tool_call>\n{"name": "stall", "arguments": {"seconds": 120}}\n</tool_call>'
+    script = {"Use the calculator.": stalled, "was stopped": "I could not wait."}
+    monkeypatch.setattr(
+        grpo_cli.sampling,
+        "make_sampler",
+        lambda cfg, tokenizer, *_: ScriptedSampler(cfg, tokenizer, script),
+    )
+    cfg = config(
+        smollm2_dir,
+        f"data.path={sums}",
+        "data.prompt_field=question",
+        "data.use_chat_template=auto",
+        "data.eval_size=0",
+        "sampler.group_size=2",
+        "rollout.tools=[{_target_: test_multiturn_training.stall}]",
+        "rollout.tool_timeout_s=1.0",
+        "trainer.steps=1",
+        "trainer.sample_every=1",
+        "reward.functions=[{_target_: grpo_cli.rewards.exact_match, weight: 1.0}]",
+        f"trainer.output_dir={tmp_path}",
+    )
+    started = time.monotonic()
+    run(cfg)
+    assert time.monotonic() - started < 120  # 4 calls of 120 s each, every one cut off at 1 s
+    (row,) = [row for row in read_metrics(tmp_path) if row["step"] == 1]
+    assert row["rollout/tool_calls"] == 1.0 and row["rollout/tool_errors/timeout"] == 4  # a mean, a sum
+    assert row["rollout/turns"] == 2 and row["loss"] is not None
+    entries = [json.loads(line) for line in (tmp_path / "samples.jsonl").read_text().splitlines()]
+    assert len(entries) == 2  # one a prompt
+    for entry in entries:
+        tool_message = entry["conversations"][0][-2]
+        assert tool_message["role"] == "tool" and "ran longer than 1 s and was stopped" in tool_message["content"]
+        assert entry["completions"] == ["I could not wait."] * 2
