@@ -203,6 +203,7 @@ def test_a_tool_that_hangs_is_cut_off_and_the_step_goes_on(smollm2_dir, sums, tm
         "rollout.tools=[{_target_: test_multiturn_training.stall}]",
         "rollout.tool_timeout_s=1.0",
         "trainer.steps=1",
+        "trainer.checkpoint_every=0",
         "trainer.sample_every=1",
         "reward.functions=[{_target_: grpo_cli.rewards.exact_match, weight: 1.0}]",
         f"trainer.output_dir={tmp_path}",
@@ -219,3 +220,37 @@ def test_a_tool_that_hangs_is_cut_off_and_the_step_goes_on(smollm2_dir, sums, tm
         tool_message = entry["conversations"][0][-2]
         assert tool_message["role"] == "tool" and "ran longer than 1 s and was stopped" in tool_message["content"]
         assert entry["completions"] == ["I could not wait."] * 2
+
+
+def test_a_multi_turn_run_resumes_exactly(smollm2_dir, sums, tmp_path):
+    from grpo_cli.logs import read_metrics
+    from grpo_cli.pipeline import run
+    from helpers import ALTERNATING_REWARD, computed_rows
+
+    def multi_turn_run(folder, *overrides):
+        run(
+            config(
+                smollm2_dir,
+                f"data.path={sums}",
+                "data.prompt_field=question",
+                "data.use_chat_template=auto",
+                "data.eval_size=0",
+                "sampler.group_size=2",
+                "sampler.max_new_tokens=24",
+                "rollout.environment._target_=test_multiturn_training.OneSentenceMore",
+                "rollout.max_turns=3",
+                "optimizer.lr=1e-5",
+                "trainer.checkpoint_every=1",
+                ALTERNATING_REWARD,
+                f"trainer.output_dir={folder}",
+                *overrides,
+            )
+        )
+        return [row for row in read_metrics(folder) if row["step"] > 0]
+
+    unbroken = multi_turn_run(tmp_path / "unbroken", "trainer.steps=2")
+    assert unbroken[-1]["rollout/turns"] > 1  # the premise: conversations of several turns
+    multi_turn_run(tmp_path / "resumed", "trainer.steps=1")
+    resumed = multi_turn_run(tmp_path / "resumed", "trainer.steps=2", "trainer.resume=true")
+    assert [row["step"] for row in resumed] == [1, 2]
+    assert computed_rows(resumed) == computed_rows(unbroken)  # the turns, tool and token counts, loss, KL
