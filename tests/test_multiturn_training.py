@@ -175,6 +175,9 @@ class ScriptedSampler:
     def sample(self, policy, batch, group_size=None):
         return self.policy(batch)
 
+    def greedy(self, policy, batch):
+        return self.policy.tokenizer.batch_decode(self.policy(batch).completion_ids, skip_special_tokens=True)
+
     def close(self):
         pass
 
@@ -186,7 +189,7 @@ def test_a_tool_that_hangs_is_cut_off_and_the_step_goes_on(smollm2_dir, sums, tm
     from grpo_cli.logs import read_metrics
     from grpo_cli.pipeline import run
 
-    stalled = '<tool_call>\n{"name": "stall", "arguments": {"seconds": 120}}\n</tool_call>'
+    stalled = '<tool_call>\n{"name": "stall", "arguments": {"seconds": 300}}\n</tool_call>'
     script = {"Use the calculator.": stalled, "was stopped": "I could not wait."}
     monkeypatch.setattr(
         grpo_cli.sampling,
@@ -198,7 +201,7 @@ def test_a_tool_that_hangs_is_cut_off_and_the_step_goes_on(smollm2_dir, sums, tm
         f"data.path={sums}",
         "data.prompt_field=question",
         "data.use_chat_template=auto",
-        "data.eval_size=0",
+        f"data.eval_path={sums}",  # a greedy eval of the same two questions, before and after
         "sampler.group_size=2",
         "rollout.tools=[{_target_: test_multiturn_training.stall}]",
         "rollout.tool_timeout_s=1.0",
@@ -210,9 +213,11 @@ def test_a_tool_that_hangs_is_cut_off_and_the_step_goes_on(smollm2_dir, sums, tm
     )
     started = time.monotonic()
     run(cfg)
-    assert time.monotonic() - started < 120  # 4 calls of 120 s each, every one cut off at 1 s
-    (row,) = [row for row in read_metrics(tmp_path) if row["step"] == 1]
+    assert time.monotonic() - started < 300  # one call of the 8 not cut off at 1 s would take 300 s
+    before, row = read_metrics(tmp_path)
     assert row["rollout/tool_calls"] == 1.0 and row["rollout/tool_errors/timeout"] == 4  # a mean, a sum
+    for evaluated in (before, row):  # each eval conversation called the tool, then answered
+        assert (evaluated["eval/tool_use"], evaluated["eval/turns"], evaluated["eval/accuracy"]) == (1.0, 2.0, 0.0)
     assert row["rollout/turns"] == 2 and row["loss"] is not None
     entries = [json.loads(line) for line in (tmp_path / "samples.jsonl").read_text().splitlines()]
     assert len(entries) == 2  # one a prompt

@@ -457,3 +457,38 @@ def test_eval_holdout_of_every_row_is_refused(tmp_path):
     train_file = write_jsonl(tmp_path / "train.jsonl", ROWS)
     with pytest.raises(ConfigError, match="data.eval_holdout=5 leaves no training prompt"):
         train_and_eval_rows(data_config(str(train_file), eval_holdout=len(ROWS)))
+
+
+def test_few_shot_messages_sit_between_the_system_prompt_and_each_question(smollm2_dir, tmp_path):
+    from transformers import AutoTokenizer
+
+    chat_tokenizer = AutoTokenizer.from_pretrained(smollm2_dir)
+    few_shot = [{"role": "user", "content": "What is 1 + 1?"}, {"role": "assistant", "content": "2"}]
+    path = str(write_jsonl(tmp_path / "rows.jsonl", ROWS))
+    data = data_config(path, system_prompt="Be brief.", use_chat_template="true", few_shot=few_shot)
+    batch = PromptSource(data, chat_tokenizer).make_batch(ROWS[3:4])
+    question = {"role": "user", "content": "What is 10 - 3?"}
+    assert batch.messages[0] == [{"role": "system", "content": "Be brief."}, *few_shot, question]
+    rendered = chat_tokenizer.apply_chat_template(batch.messages[0], tokenize=False, add_generation_prompt=True)
+    assert batch.texts[0] == rendered and rendered.index("1 + 1") < rendered.index("10 - 3")
+
+
+def test_few_shot_messages_need_a_chat_template(tokenizer, tmp_path):
+    path = str(write_jsonl(tmp_path / "rows.jsonl", ROWS))
+    data = data_config(path, use_chat_template="auto", few_shot=[{"role": "user", "content": "Hi?"}])
+    with pytest.raises(ConfigError, match="data.few_shot needs a chat template"):
+        PromptSource(data, tokenizer)  # the tiny tokenizer has none: auto means plain prompts
+
+
+def test_bad_few_shot_messages_are_named(tiny_model_dir):
+    from grpo_cli.validation import validate
+    from helpers import config
+
+    cfg = config(tiny_model_dir, "data.few_shot=[{role: robot, content: hi}]", "data.use_chat_template=false")
+    with pytest.raises(ConfigError) as caught:
+        validate(cfg, check_files=False)
+    message = str(caught.value)
+    assert "data.few_shot needs chat prompts" in message
+    assert (
+        "data.few_shot[0]={'role': 'robot', 'content': 'hi'}: give a message {role: user | assistant | tool" in message
+    )

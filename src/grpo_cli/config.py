@@ -130,6 +130,11 @@ class DataConfig:
     """The column passed to reward functions as `answer=` (every other column is passed by its name)."""
     system_prompt: Optional[str] = None
     """Prepended as a system message (chat template) or a first paragraph (plain text)."""
+    few_shot: list[dict[str, str]] = field(default_factory=list)
+    """Messages put between the system prompt and each row's question (chat templates only): a
+    worked example for the model to copy, part of the prompt, never trained on. Each is
+    `{role: user | assistant | tool, content: ...}`, a tool message also `name:` (the tool's);
+    conf=smollm2_calculator shows one calculator call this way."""
     use_chat_template: str = "auto"
     """auto | true | false. auto: on when the tokenizer has a chat template."""
     prompts_per_step: int = 16

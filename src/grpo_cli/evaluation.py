@@ -11,6 +11,7 @@ import torch
 
 from grpo_cli.config import EVAL_BATCH
 from grpo_cli.distributed import sum_over_ranks
+from grpo_cli.multiturn.rollout import MultiTurnSampler, final_answer
 
 if TYPE_CHECKING:
     from grpo_cli.data.prompts import PromptSource
@@ -34,10 +35,16 @@ def evaluate(
     With `pass_at_k` (trainer.eval_pass_at_k), also `eval/pass_at_k`: G = sampler.group_size sampled
     completions per prompt, the best first-function score among them, averaged over prompts
     (for a 0/1 correctness reward: the fraction of prompts solved at least once, pass@G).
+    In a multi-turn run (rollout.tools / rollout.environment) the last turn is scored, and
+    `eval/tool_use` is the fraction of eval prompts whose conversation called a tool,
+    `eval/turns` their mean number of assistant turns.
     """
     world, names = prompts.world, scorer.names
     # Sums over this rank's prompts (every world_size-th one under torchrun), then over ranks.
     sums = {f"eval/{name}": 0.0 for name in names} | {"eval/reward": 0.0, "eval/pass_at_k": 0.0}
+    multi_turn = isinstance(sampler, MultiTurnSampler)
+    if multi_turn:
+        sums |= {"eval/tool_use": 0.0, "eval/turns": 0.0}
     torch.manual_seed(seed + world.rank)  # the same pass@k draw at every eval (and on resume)
     mine = rows[world.rank :: world.world_size]
     # Every rank runs the same number of batches (FSDP ranks gather weights together): a short
@@ -48,7 +55,13 @@ def evaluate(
     for start in range(0, share, EVAL_BATCH):
         chunk, weight = mine[start : start + EVAL_BATCH], weights[start : start + EVAL_BATCH]
         batch = prompts.make_batch(chunk)
-        completions = sampler.greedy(policy, batch)
+        if multi_turn:
+            played = sampler.greedy_conversations(policy, batch)
+            completions = [final_answer(conversation) for conversation in played]
+            sums["eval/tool_use"] += sum(w for c, w in zip(played, weight.tolist()) if c.tool_calls)
+            sums["eval/turns"] += sum(c.turns * w for c, w in zip(played, weight.tolist()))
+        else:
+            completions = sampler.greedy(policy, batch)
         scored = scorer.score_texts(batch.texts, completions, batch.columns, (len(chunk),))
         sums["eval/reward"] += (scored.total * weight).sum().item()
         for name, values in scored.per_function.items():  # None (no opinion) counts 0

@@ -464,7 +464,8 @@ def summarize(log: RunLogger, result: RunResult, steps: int, seconds: float, oth
         after = "-" if eval_after is None else f"{eval_after:.3f}"
         rows["greedy eval accuracy, before -> after"] = f"{before} -> {after}"
     evals = [row for row in log.history if "eval/accuracy" in row]
-    for name in other_functions:  # e.g. a format share or a lenient reading beside the accuracy
+    # e.g. a format share or a lenient reading beside the accuracy; a multi-turn run's tool use
+    for name in [*other_functions, "tool_use", "turns"]:
         key = f"eval/{name}"
         if len(evals) >= 2 and key in evals[0] and key in evals[-1]:
             rows[f"greedy eval {name}, before -> after"] = f"{evals[0][key]:.3f} -> {evals[-1][key]:.3f}"

@@ -356,11 +356,32 @@ def _run_problems(cfg: Any, ranks: int) -> list[str]:
     if not isinstance(resume, (bool, str)) or resume == "":
         problems.append(f"trainer.resume={resume!r} must be false, true or a checkpoint folder.")
     problems += _reward_problems(cfg.reward.functions)
+    problems += _few_shot_problems(data)
     if cfg.get("eval") is not None and cfg.eval.functions is not None:
         problems += _reward_problems(cfg.eval.functions, "eval.functions")
     problems += _adaptive_problems(cfg.sampler, max(data.prompts_per_step // ranks, 1), trainer.micro_batch_size)
     if trainer.sample_prompts < 0 or trainer.sample_every < 0 or data.eval_holdout < 0:
         problems.append("trainer.sample_every, trainer.sample_prompts and data.eval_holdout must be >= 0.")
+    return problems
+
+
+FEW_SHOT_ROLES = ("user", "assistant", "tool")
+
+
+def _few_shot_problems(data: Any) -> list[str]:
+    """data.few_shot: each entry a message of a known role with text content; chat prompts only."""
+    if not data.few_shot:
+        return []
+    problems = []
+    if str(data.use_chat_template).lower() == "false":
+        problems.append("data.few_shot needs chat prompts: set data.use_chat_template=auto or true, or few_shot=[].")
+    for index, message in enumerate(data.few_shot):
+        role, content = message.get("role"), message.get("content")
+        if role not in FEW_SHOT_ROLES or not isinstance(content, str):
+            problems.append(
+                f"data.few_shot[{index}]={dict(message)}: give a message {{role: user | assistant | tool, "
+                "content: its text}} (a tool message may add name: the tool's)."
+            )
     return problems
 
 

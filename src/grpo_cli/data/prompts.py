@@ -370,21 +370,23 @@ def _length_problems(
 def prompt_lengths(data: DataConfig, rows: list[dict[str, Any]], tokenizer) -> list[int]:
     """Each row's prompt in tokens, formatted as PromptSource formats it."""
     chat = wants_chat_template(data.use_chat_template, tokenizer)
-    texts = [format_prompt(tokenizer, str(row[data.prompt_field]), data.system_prompt, chat) for row in rows]
+    texts = [format_prompt(tokenizer, str(row[data.prompt_field]), data, chat) for row in rows]
     return [len(ids) for ids in tokenizer(texts, add_special_tokens=not chat, verbose=False)["input_ids"]]
 
 
-def prompt_messages(text: str, system_prompt: str | None) -> list[dict[str, str]]:
-    """The chat of one prompt: the system prompt where there is one, then the row's text."""
-    messages = [{"role": "system", "content": system_prompt}] if system_prompt else []
+def prompt_messages(text: str, data: DataConfig) -> list[dict[str, str]]:
+    """The chat of one prompt: the system prompt where there is one, the few-shot messages, then
+    the row's text."""
+    messages = [{"role": "system", "content": data.system_prompt}] if data.system_prompt else []
+    messages += [dict(message) for message in data.few_shot]
     return [*messages, {"role": "user", "content": text}]
 
 
-def format_prompt(tokenizer, text: str, system_prompt: str | None, use_chat_template: bool) -> str:
+def format_prompt(tokenizer, text: str, data: DataConfig, use_chat_template: bool) -> str:
     if use_chat_template:
-        messages = prompt_messages(text, system_prompt)
+        messages = prompt_messages(text, data)
         return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-    return f"{system_prompt}\n\n{text}" if system_prompt else text
+    return f"{data.system_prompt}\n\n{text}" if data.system_prompt else text
 
 
 def wants_chat_template(setting: str, tokenizer) -> bool:
@@ -411,6 +413,8 @@ class PromptSource:
         self.tokenizer = tokenizer
         self.rows = rows if rows is not None else load_rows(data.path)
         self.chat = wants_chat_template(data.use_chat_template, tokenizer)
+        if data.few_shot and not self.chat:  # auto on a tokenizer without a template: they would be lost
+            raise ConfigError("data.few_shot needs a chat template, and this tokenizer has none; set few_shot=[].")
         self.epoch = 0
         self.position = 0  # rows of the current epoch already handed out
         self._order = self._epoch_order(self.epoch)
@@ -438,9 +442,7 @@ class PromptSource:
 
     def make_batch(self, rows: list[dict[str, Any]]) -> PromptBatch:
         data = self.data
-        texts = [
-            format_prompt(self.tokenizer, str(row[data.prompt_field]), data.system_prompt, self.chat) for row in rows
-        ]
+        texts = [format_prompt(self.tokenizer, str(row[data.prompt_field]), data, self.chat) for row in rows]
         # A chat template already writes the model's special tokens itself.
         encoded = self.tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=not self.chat)
         columns = {key: [row.get(key) for row in rows] for key in rows[0] if key != data.prompt_field}
@@ -450,9 +452,7 @@ class PromptSource:
             input_ids=encoded["input_ids"],
             attention_mask=encoded["attention_mask"],
             columns=columns,
-            messages=[prompt_messages(str(row[data.prompt_field]), data.system_prompt) for row in rows]
-            if self.chat
-            else None,
+            messages=[prompt_messages(str(row[data.prompt_field]), data) for row in rows] if self.chat else None,
         )
 
     def state_dict(self) -> dict[str, int]:

@@ -123,8 +123,11 @@ class MultiTurnSampler:
         )
 
     def greedy(self, policy: Any, batch: PromptBatch) -> list[str]:
-        conversations, _ = self.conversations(policy, batch, 1, greedy=True)
-        return [final_answer(c) for c in conversations]
+        return [final_answer(c) for c in self.greedy_conversations(policy, batch)]
+
+    def greedy_conversations(self, policy: Any, batch: PromptBatch) -> list[Conversation]:
+        """The eval's conversations: one a prompt, each turn greedy."""
+        return self.conversations(policy, batch, 1, greedy=True)[0]
 
     def close(self) -> None:
         self.inner.close()
