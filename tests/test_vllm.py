@@ -277,8 +277,38 @@ def test_greedy_completions_equal_the_fast_samplers_on_the_real_model(smollm2_di
         engine = sampler.greedy(models.policy, batch)
         print(engine[:2])
         assert engine == fast.greedy(models.policy, batch)
+        # The same engine serves multi-turn rollouts (one engine build: the costly part), as
+        # test_multiturn_rollout.py checks sampler=fast and hf: only the conversations still going
+        # are sampled each turn, and each renders through the template as the ids trained on.
+        served_multi_turn_rollouts(sampler, models)
     finally:
         sampler.close()
+
+
+def served_multi_turn_rollouts(sampler, models) -> None:
+    from grpo_cli.multiturn.conversation import round_trip_problem
+    from grpo_cli.multiturn.environments import reset_messages
+    from grpo_cli.multiturn.rollout import TurnLimits, run_conversations
+    from test_multiturn_rollout import KeepTalking
+
+    games = [KeepTalking() for _ in range(3)]
+    opening = [reset_messages(game, {"topic": topic}) for game, topic in zip(games, ["cats", "rain", "tea"])]
+    sizes = []
+
+    def sample_turn(batch):
+        sizes.append(batch.size)
+        drawn = sampler.sample(models.policy, batch, group_size=1)
+        assert drawn.sampler_log_probs is not None  # the engine's log-probs of each turn
+        return drawn
+
+    torch.manual_seed(0)
+    limits = TurnLimits(max_turns=3, max_total_tokens=120, tool_timeout_s=None, max_tool_chars=200)
+    conversations = run_conversations(sample_turn, models.tokenizer, opening, [], limits, games)
+    assert sizes[0] == 3 and sizes == sorted(sizes, reverse=True) and sum(sizes) == sum(c.turns for c in conversations)
+    assert any(c.turns > 1 for c in conversations)
+    for conversation in conversations:
+        sampled = [ids for ids, by_policy in conversation.segments if by_policy]
+        assert round_trip_problem(models.tokenizer, conversation, sampled) is None
 
 
 @pytest.mark.slow
