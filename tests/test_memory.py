@@ -546,3 +546,24 @@ def test_a_token_budget_is_planned_as_the_micro_batch_it_lets_in_at_full_length(
     cfg = seven_b_full_fine_tune("trainer.micro_batch_size=0", "trainer.micro_batch_tokens=8704")
     fixes = cheapest_fixes(cfg, plan_memory(cfg, prompt_tokens=256, device="cuda"), int(80 * GB))
     assert "micro_batch_tokens 8704 -> 4352" in [fix.change for fix in fixes]
+
+
+def test_a_multi_turn_plan_counts_the_conversation_and_the_tools_description(smollm2_dir):
+    from transformers import AutoTokenizer
+
+    from grpo_cli.data.prompts import prompt_lengths, train_and_eval_rows
+    from grpo_cli.multiturn.conversation import tools_prompt_tokens
+    from grpo_cli.planner.check import plan_for
+
+    calculator = "rollout.tools=[{_target_: grpo_cli.multiturn.builtin_tools.calculator}]"
+    cfg = config(smollm2_dir, "sampler.max_new_tokens=24", calculator, "rollout.max_total_tokens=160")
+    rows = train_and_eval_rows(cfg.data)[0]
+    plan = plan_for(cfg, torch.device("cpu"), rows)
+    # The update trains on each conversation's whole tail, not on one turn of max_new_tokens.
+    assert "multi-turn: each conversation after its prompt at rollout.max_total_tokens=160" in plan.assumptions
+    single_turn = plan_for(config(smollm2_dir, "sampler.max_new_tokens=160"), torch.device("cpu"), rows)
+    assert plan.bytes_of("update activations") > single_turn.bytes_of("update activations")  # the longer prompt
+    tokenizer = AutoTokenizer.from_pretrained(smollm2_dir)
+    described = tools_prompt_tokens(cfg.rollout.tools, tokenizer)
+    assert described > 100  # the calculator's JSON schema and how to call it
+    assert plan.prompt_tokens == max(prompt_lengths(cfg.data, rows, tokenizer)) + described

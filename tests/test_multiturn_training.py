@@ -182,7 +182,7 @@ class ScriptedSampler:
         pass
 
 
-def test_a_tool_that_hangs_is_cut_off_and_the_step_goes_on(smollm2_dir, sums, tmp_path, monkeypatch):
+def test_a_tool_that_hangs_is_cut_off_and_the_step_goes_on(smollm2_dir, sums, tmp_path, monkeypatch, capsys):
     import time
 
     import grpo_cli.sampling
@@ -218,6 +218,7 @@ def test_a_tool_that_hangs_is_cut_off_and_the_step_goes_on(smollm2_dir, sums, tm
     assert row["rollout/tool_calls"] == 1.0 and row["rollout/tool_errors/timeout"] == 4  # a mean, a sum
     for evaluated in (before, row):  # each eval conversation called the tool, then answered
         assert (evaluated["eval/tool_use"], evaluated["eval/turns"], evaluated["eval/accuracy"]) == (1.0, 2.0, 0.0)
+    assert "greedy eval tool_use, before -> after: 1.000 -> 1.000" in capsys.readouterr().out  # the summary
     assert row["rollout/turns"] == 2 and row["loss"] is not None
     entries = [json.loads(line) for line in (tmp_path / "samples.jsonl").read_text().splitlines()]
     assert len(entries) == 2  # one a prompt

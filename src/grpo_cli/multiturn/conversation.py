@@ -17,6 +17,8 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
+from grpo_cli.multiturn.tools import build_tools
+
 
 class TemplateMismatch(ValueError):
     """The template's rendering of a longer conversation does not start with the shorter one's."""
@@ -51,6 +53,18 @@ def with_tools(messages: list[dict[str, Any]], schemas: list[dict[str, Any]], to
     if messages and messages[0].get("role") == "system":
         return [{**messages[0], "content": f"{messages[0]['content']}\n\n{described}"}, *messages[1:]]
     return [{"role": "system", "content": described}, *messages]
+
+
+def tools_prompt_tokens(tool_entries: Any, tokenizer: Any) -> int:
+    """How many tokens the tools' description adds to a prompt (rollout.tools; the memory plan's
+    prompt length): a one-line chat rendered with and without it."""
+    schemas = [tool.schema for tool in build_tools(tool_entries)]
+    chat = [{"role": "user", "content": "Hi."}]
+    bare = render(tokenizer, chat, [], generation_prompt=True)
+    told = render(tokenizer, with_tools(chat, schemas, tokenizer), schemas, generation_prompt=True)
+    return max(
+        0, len(tokenizer.encode(told, add_special_tokens=False)) - len(tokenizer.encode(bare, add_special_tokens=False))
+    )
 
 
 def render(

@@ -71,9 +71,14 @@ def plan_for(
 def _longest_prompt(cfg: Any, rows: Optional[list[dict[str, Any]]]) -> Optional[int]:
     from grpo_cli.data.prompts import prompt_lengths
     from grpo_cli.models.loading import local_tokenizer_and_context
+    from grpo_cli.multiturn.conversation import tools_prompt_tokens
 
     local = local_tokenizer_and_context(cfg.model) if rows else None
-    return max(prompt_lengths(cfg.data, rows, local[0])) if local is not None else None
+    if local is None:
+        return None
+    rollout = cfg.get("rollout")
+    told = tools_prompt_tokens(rollout.tools, local[0]) if rollout is not None and rollout.tools else 0
+    return max(prompt_lengths(cfg.data, rows, local[0])) + told
 
 
 def check_memory(

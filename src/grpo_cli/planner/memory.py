@@ -170,6 +170,12 @@ def _step_shape(cfg: Any, arch: Architecture, device: str, prompt_tokens: Option
     upcast = quantization != "none" and dtype == "float16"
     assumptions = [f"shape from {arch.source}", f"{dtype} on {device}, one process"]
     new = sampler.max_new_tokens
+    rollout = cfg.get("rollout")
+    if rollout is not None and (rollout.tools or rollout.environment is not None):
+        # A conversation's tail after the prompt (every turn, tool and environment message) is
+        # what the update trains on and the last turn's context holds: up to max_total_tokens.
+        new = max(new, int(rollout.max_total_tokens))
+        assumptions.append(f"multi-turn: each conversation after its prompt at rollout.max_total_tokens={new}")
     if prompt_tokens is None:
         prompt_tokens = DEFAULT_PROMPT_TOKENS
         if arch.context_length:

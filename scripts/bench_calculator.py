@@ -1,0 +1,82 @@
+"""The figures of `conf=smollm2_calculator` (docs/MULTITURN.md): SmolLM2-135M-Instruct's greedy
+accuracy on held-out two-digit sums without tools, then with the calculator before and after
+GRPO for each seed, the share of problems where it calls the tool, and the minutes each run took.
+
+  without tools   the same questions, system prompt and a worked example answered without a
+                  call (rollout=single_turn), one step run for its step-0 eval: the bar's baseline
+  with tools      `grpo-train conf=smollm2_calculator trainer.seed=S`, its step-0 and last evals
+
+    .venv/bin/python scripts/bench_calculator.py --seeds 0 1 2 --out /tmp/calculator
+
+Each run is a grpo-train child process, one after another (2 cores: two at once only share them).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+GRPO_TRAIN = str(Path(sys.executable).parent / "grpo-train")
+# The preset's worked example with the call taken out: the answer given straight away.
+NO_TOOLS = (
+    "rollout=single_turn",
+    "data.system_prompt='Reply with the number only.'",
+    "data.few_shot=[{role: user, content: 'What is 12 + 34?'}, {role: assistant, content: '46'}]",
+    "trainer.steps=1",
+    "trainer.checkpoint_every=0",
+)
+
+
+def grpo_train(run_dir: Path, *overrides: str) -> tuple[list[dict], float]:
+    """One run's metrics.jsonl rows and its minutes."""
+    started = time.perf_counter()
+    command = [GRPO_TRAIN, "conf=smollm2_calculator", f"hydra.run.dir={run_dir}", *overrides]
+    result = subprocess.run(command, capture_output=True, text=True)
+    if result.returncode != 0:
+        raise SystemExit(f"{' '.join(command)} failed:\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}")
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return rows, (time.perf_counter() - started) / 60
+
+
+def evals(rows: list[dict]) -> list[dict]:
+    return [row for row in rows if "eval/accuracy" in row]
+
+
+def cpu_flags() -> str:
+    flags = Path("/proc/cpuinfo").read_text().split("flags")[1].split("\n")[0]
+    model = next(line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("model name"))
+    return f"{model.split(':')[1].strip()}, avx512_bf16: {'yes' if 'avx512_bf16' in flags.split() else 'no'}"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    parser.add_argument("--out", type=Path, default=Path("/tmp/bench-calculator"))
+    parser.add_argument("--steps", type=int, default=None, help="trainer.steps (default: the preset's)")
+    args = parser.parse_args()
+    print(f"CPU: {cpu_flags()}", flush=True)
+    rows, minutes = grpo_train(args.out / "without-tools", *NO_TOOLS)
+    baseline = evals(rows)[0]["eval/accuracy"]
+    print(f"without tools: greedy accuracy {baseline:.3f} ({minutes:.1f} min)", flush=True)
+    steps = [f"trainer.steps={args.steps}"] if args.steps else []
+    print("| seed | accuracy before -> after | tool use before -> after | after - without tools | minutes |")
+    print("|---|---|---|---|---|")
+    gains = []
+    for seed in args.seeds:
+        rows, minutes = grpo_train(args.out / f"seed{seed}", f"trainer.seed={seed}", *steps)
+        first, last = evals(rows)[0], evals(rows)[-1]
+        gains.append(last["eval/accuracy"] - baseline)
+        print(
+            f"| {seed} | {first['eval/accuracy']:.3f} -> {last['eval/accuracy']:.3f} (step {last['step']}) "
+            f"| {first['eval/tool_use']:.3f} -> {last['eval/tool_use']:.3f} | {gains[-1]:+.3f} | {minutes:.1f} |",
+            flush=True,
+        )
+    print(f"smallest gain over the model without tools: {min(gains):+.3f} (the bar: +0.25)")
+
+
+if __name__ == "__main__":
+    main()
