@@ -107,7 +107,7 @@ def test_weights_under_the_threshold_keep_torchs_gemm(monkeypatch):
 
 
 @needs_onednn
-def test_decode_lays_out_large_weights_and_copies_small_ones_under_autocast(monkeypatch):
+def test_decode_lays_out_large_weights_only(monkeypatch):
     monkeypatch.setattr(cpu_gemm, "ONEDNN_MIN_WEIGHTS", ONEDNN_MIN_WEIGHTS)
     model = torch.nn.Sequential(torch.nn.Linear(128, 300), torch.nn.Linear(300, 576))  # 38,400 and 172,800
     assert [module for module, _ in packed.ReorderedLinears(model, rows=4).forwards] == [model[1]]
@@ -115,6 +115,14 @@ def test_decode_lays_out_large_weights_and_copies_small_ones_under_autocast(monk
     expected = model(inputs)
     with packed.ReorderedLinears(model, rows=4):
         torch.testing.assert_close(model(inputs), expected, rtol=1e-5, atol=1e-5)
+
+
+@needs_onednn
+@pytest.mark.skipif(not cpu_gemm.onednn_bfloat16_available(), reason="this CPU's oneDNN has no bfloat16 kernels")
+def test_decode_lays_out_large_weights_and_copies_small_ones_under_autocast(monkeypatch):
+    monkeypatch.setattr(cpu_gemm, "ONEDNN_MIN_WEIGHTS", ONEDNN_MIN_WEIGHTS)
+    model = torch.nn.Sequential(torch.nn.Linear(128, 300), torch.nn.Linear(300, 576))
+    inputs = torch.randn(4, 128)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         expected = model(inputs)
         laid_out = packed.ReorderedLinears(model, rows=4, dtype=torch.bfloat16)

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from grpo_cli.data.prompts import PromptSource
-from grpo_cli.models.cpu_gemm import onednn_gemm_available
+from grpo_cli.models.cpu_gemm import onednn_bfloat16_available, onednn_gemm_available
 from grpo_cli.models.loading import load_models
 from grpo_cli.sampling import Sampler, make_sampler
 from grpo_cli.sampling.fast import (
@@ -236,10 +236,16 @@ def test_under_autocast_the_decode_steps_use_weight_copies_made_once_with_the_sa
 
 
 needs_onednn = pytest.mark.skipif(not onednn_gemm_available(), reason="this torch has no oneDNN linear ops")
+# oneDNN's bfloat16 kernels need AVX-512 (or avx_ne_convert): decode_gemm does not take them
+# elsewhere (test_without_onednn_bfloat16_kernels_autocast_decodes_by_a_bfloat16_copy).
+ONEDNN_BFLOAT16 = pytest.param(
+    torch.bfloat16,
+    marks=pytest.mark.skipif(not onednn_bfloat16_available(), reason="this CPU's oneDNN has no bfloat16 kernels"),
+)
 
 
 @needs_onednn
-@pytest.mark.parametrize("dtype", [None, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [None, ONEDNN_BFLOAT16])
 def test_reordered_linears_compute_the_layers_own_products_and_step_aside_after(dtype):
     from grpo_cli.sampling.packed import ReorderedLinears
 
@@ -271,6 +277,7 @@ def test_decode_gemm_takes_onednn_except_for_float32_on_intel_where_mkl_packs(in
 
     monkeypatch.setattr(packed, "intel_cpu", lambda: intel)  # the CPU, forced either way
     monkeypatch.setattr(packed, "onednn_gemm_available", lambda: onednn)
+    monkeypatch.setattr(packed, "onednn_bfloat16_available", lambda: onednn)
     monkeypatch.setattr(packed, "packed_gemm_available", lambda: True)
     expected = {
         (False, True): "onednn",
@@ -281,8 +288,21 @@ def test_decode_gemm_takes_onednn_except_for_float32_on_intel_where_mkl_packs(in
     assert decode_gemm(autocast) == expected
 
 
+@pytest.mark.parametrize("intel", [False, True])
+def test_without_onednn_bfloat16_kernels_autocast_decodes_by_a_bfloat16_copy(intel, monkeypatch):
+    # An AVX2-only CPU (an AMD EPYC without AVX-512): oneDNN has float32 kernels, no bfloat16 ones.
+    import grpo_cli.sampling.packed as packed
+
+    monkeypatch.setattr(packed, "intel_cpu", lambda: intel)
+    monkeypatch.setattr(packed, "onednn_gemm_available", lambda: True)
+    monkeypatch.setattr(packed, "onednn_bfloat16_available", lambda: False)
+    monkeypatch.setattr(packed, "packed_gemm_available", lambda: True)
+    assert decode_gemm(torch.bfloat16) == "bfloat16_copy"
+    assert decode_gemm(None) == ("mkl_packed" if intel else "onednn")
+
+
 @needs_onednn
-@pytest.mark.parametrize("autocast", [None, torch.bfloat16])
+@pytest.mark.parametrize("autocast", [None, ONEDNN_BFLOAT16])
 def test_sampling_with_weights_laid_out_for_onednn_draws_from_the_same_distribution(
     tiny_model_dir, autocast, monkeypatch
 ):

@@ -43,6 +43,14 @@ def onednn_gemm_available() -> bool:
     )
 
 
+@functools.cache
+def onednn_bfloat16_available() -> bool:
+    """Whether oneDNN multiplies bfloat16 on this CPU: it needs avx512bw, avx512vl and avx512dq
+    or avx_ne_convert, which an AVX2-only CPU (an AMD EPYC without AVX-512) lacks; there it
+    refuses to lay out a bfloat16 weight."""
+    return onednn_gemm_available() and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+
+
 # The smallest weight whose products oneDNN takes. Its call costs ~20 us more than torch's
 # (a primitive found by shape): measured on the EPYC, a [256, 128] weight ran 2.1x slower
 # through it at 16 rows and 0.9-1.0x at 256-1024, SmolLM2's [192, 576] 0.8-0.9x from 256 rows

@@ -10,7 +10,13 @@ from __future__ import annotations
 import torch
 
 from grpo_cli.models import cpu_gemm
-from grpo_cli.models.cpu_gemm import cpu_float32_linears, intel_cpu, onednn_gemm_available, onednn_linear
+from grpo_cli.models.cpu_gemm import (
+    cpu_float32_linears,
+    intel_cpu,
+    onednn_bfloat16_available,
+    onednn_gemm_available,
+    onednn_linear,
+)
 
 # sampler=fast on a CPU packs a float32 linear weight for MKL's GEMM (PackedLinears) when it
 # has at least this many elements: smaller products run no faster packed (a [256, 128] weight:
@@ -42,9 +48,13 @@ def decode_gemm(autocast: torch.dtype | None) -> str:
     torch's own GEMM (MKL's in float32, which on that CPU reaches 9 GB/s of weights against
     oneDNN's 16); on an Intel Xeon MKL's packed GEMM made float32 sampling 9-15% faster, and
     oneDNN there is not measured yet, so Intel keeps MKL in float32. Under autocast torch's
-    bfloat16 GEMM is oneDNN's already: a laid-out copy only saves its per-call reorder."""
-    if cpu_gemm.onednn_enabled() and onednn_gemm_available() and (autocast is not None or not intel_cpu()):
-        return "onednn"
+    bfloat16 GEMM is oneDNN's already: a laid-out copy only saves its per-call reorder; a CPU
+    whose oneDNN has no bfloat16 kernel (no AVX-512) gets the bfloat16 copy."""
+    if cpu_gemm.onednn_enabled() and onednn_gemm_available():
+        if autocast is None and not intel_cpu():
+            return "onednn"
+        if autocast is not None and onednn_bfloat16_available():
+            return "onednn"
     if autocast is not None:
         return "bfloat16_copy"
     return "mkl_packed" if packing_pays() else "plain"
