@@ -2,8 +2,13 @@
 accuracy on held-out two-digit sums without tools, then with the calculator before and after
 GRPO for each seed, the share of problems where it calls the tool, and the minutes each run took.
 
-  without tools   the same questions, system prompt and a worked example answered without a
-                  call (rollout=single_turn), one step run for its step-0 eval: the bar's baseline
+  without tools   the same questions, rollout=single_turn, one step run for its step-0 eval, in
+                  two framings: the preset's prompt with its worked example answered without a
+                  call (strict: the number alone), and the plain question with the model's own
+                  system prompt read leniently (the reply's last number); the higher is the bar's
+                  baseline
+  no worked call  the calculator offered but data.few_shot=[]: how often the untrained model
+                  calls it, greedy (the step-0 eval) and sampled (step 1's 16 conversations)
   with tools      `grpo-train conf=smollm2_calculator trainer.seed=S`, its step-0 and last evals
 
     .venv/bin/python scripts/bench_calculator.py --seeds 0 1 2 --out /tmp/calculator
@@ -22,17 +27,24 @@ from pathlib import Path
 
 GRPO_TRAIN = str(Path(sys.executable).parent / "grpo-train")
 # The preset's worked example with the call taken out: the answer given straight away.
-NO_TOOLS = (
-    "rollout=single_turn",
-    "data.system_prompt='Reply with the number only.'",
-    "data.few_shot=[{role: user, content: 'What is 12 + 34?'}, {role: assistant, content: '46'}]",
-    "trainer.steps=1",
-    "trainer.checkpoint_every=0",
-)
+ONE_EVAL = ("rollout=single_turn", "trainer.steps=1", "trainer.checkpoint_every=0")
+NO_TOOLS = {
+    "worked example, strict": (
+        "data.system_prompt='Reply with the number only.'",
+        "data.few_shot=[{role: user, content: 'What is 12 + 34?'}, {role: assistant, content: '46'}]",
+    ),
+    "plain question, lenient": ("data.system_prompt=null", "data.few_shot=[]"),
+}
+SCORE = {"worked example, strict": "eval/accuracy", "plain question, lenient": "eval/answer_anywhere"}
 
 
-def grpo_train(run_dir: Path, *overrides: str) -> tuple[list[dict], float]:
-    """One run's metrics.jsonl rows and its minutes."""
+def grpo_train(run_dir: Path, *overrides: str, reuse: bool = False) -> tuple[list[dict], float]:
+    """One run's metrics.jsonl rows and its minutes (`reuse`: a finished run's, its minutes from
+    config.yaml, written as it starts, to metrics.jsonl's last write)."""
+    metrics = run_dir / "metrics.jsonl"
+    if reuse and metrics.exists():
+        minutes = (metrics.stat().st_mtime - (run_dir / "config.yaml").stat().st_mtime) / 60
+        return [json.loads(line) for line in metrics.read_text().splitlines()], minutes
     started = time.perf_counter()
     command = [GRPO_TRAIN, "conf=smollm2_calculator", f"hydra.run.dir={run_dir}", *overrides]
     result = subprocess.run(command, capture_output=True, text=True)
@@ -57,17 +69,28 @@ def main() -> None:
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--out", type=Path, default=Path("/tmp/bench-calculator"))
     parser.add_argument("--steps", type=int, default=None, help="trainer.steps (default: the preset's)")
+    parser.add_argument("--reuse", action="store_true", help="read the runs already in --out instead of rerunning")
     args = parser.parse_args()
     print(f"CPU: {cpu_flags()}", flush=True)
-    rows, minutes = grpo_train(args.out / "without-tools", *NO_TOOLS)
-    baseline = evals(rows)[0]["eval/accuracy"]
-    print(f"without tools: greedy accuracy {baseline:.3f} ({minutes:.1f} min)", flush=True)
+    baselines = []
+    for index, (framing, overrides) in enumerate(NO_TOOLS.items()):
+        rows, minutes = grpo_train(args.out / f"without-tools-{index}", *ONE_EVAL, *overrides, reuse=args.reuse)
+        baselines.append(evals(rows)[0][SCORE[framing]])
+        print(f"without tools ({framing}): greedy accuracy {baselines[-1]:.3f} ({minutes:.1f} min)", flush=True)
+    baseline = max(baselines)
+    rows, minutes = grpo_train(args.out / "no-worked-call", *ONE_EVAL[1:], "data.few_shot=[]", reuse=args.reuse)
+    first_eval, first_step = evals(rows)[0], next(row for row in rows if "rollout/tool_calls" in row)
+    print(
+        f"tools, no worked call: tool use greedy {first_eval['eval/tool_use']:.3f}, sampled "
+        f"{first_step['rollout/tool_calls']:.3f} a conversation ({minutes:.1f} min)",
+        flush=True,
+    )
     steps = [f"trainer.steps={args.steps}"] if args.steps else []
     print("| seed | accuracy before -> after | tool use before -> after | after - without tools | minutes |")
     print("|---|---|---|---|---|")
     gains = []
     for seed in args.seeds:
-        rows, minutes = grpo_train(args.out / f"seed{seed}", f"trainer.seed={seed}", *steps)
+        rows, minutes = grpo_train(args.out / f"seed{seed}", f"trainer.seed={seed}", *steps, reuse=args.reuse)
         first, last = evals(rows)[0], evals(rows)[-1]
         gains.append(last["eval/accuracy"] - baseline)
         print(
