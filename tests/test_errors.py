@@ -110,7 +110,7 @@ def file_modes_bind_even_root():
         (
             "conf=nope",
             "conf=nope: there is no preset 'nope' in group 'conf' (no conf/conf/nope.yaml). "
-            "The conf presets are: code_7b, math_0.5b, math_7b, smollm2_arithmetic, tiny.",
+            "The conf presets are: code_7b, math_0.5b, math_7b, smollm2_arithmetic, smollm2_calculator, tiny.",
         ),
         ("model=nope", "model=nope: there is no preset 'nope' in group 'model'"),
         ("trainer.beta=[1", "Cannot parse the override 'trainer.beta=[1'"),
