@@ -77,7 +77,9 @@ def _longest_prompt(cfg: Any, rows: Optional[list[dict[str, Any]]]) -> Optional[
     if local is None:
         return None
     rollout = cfg.get("rollout")
-    told = tools_prompt_tokens(rollout.tools, local[0]) if rollout is not None and rollout.tools else 0
+    # Without a chat template there are no tools to describe (MultiTurnSampler refuses the run).
+    tools = rollout is not None and rollout.tools and getattr(local[0], "chat_template", None)
+    told = tools_prompt_tokens(rollout.tools, local[0]) if tools else 0
     return max(prompt_lengths(cfg.data, rows, local[0])) + told
 
 
