@@ -25,9 +25,11 @@ import sys
 import time
 from pathlib import Path
 
+from bench_log_probs import cpu_flags  # scripts/ is on the path of a script run from it
+
 GRPO_TRAIN = str(Path(sys.executable).parent / "grpo-train")
-# The preset's worked example with the call taken out: the answer given straight away.
 ONE_EVAL = ("rollout=single_turn", "trainer.steps=1", "trainer.checkpoint_every=0")
+# The first framing is the preset's worked example with the call taken out: the answer given straight away.
 NO_TOOLS = {
     "worked example, strict": (
         "data.system_prompt='Reply with the number only.'",
@@ -56,12 +58,6 @@ def grpo_train(run_dir: Path, *overrides: str, reuse: bool = False) -> tuple[lis
 
 def evals(rows: list[dict]) -> list[dict]:
     return [row for row in rows if "eval/accuracy" in row]
-
-
-def cpu_flags() -> str:
-    flags = Path("/proc/cpuinfo").read_text().split("flags")[1].split("\n")[0]
-    model = next(line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("model name"))
-    return f"{model.split(':')[1].strip()}, avx512_bf16: {'yes' if 'avx512_bf16' in flags.split() else 'no'}"
 
 
 def main() -> None:

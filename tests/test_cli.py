@@ -267,7 +267,10 @@ def test_bad_value_exits_2_naming_the_key(tmp_path):
 
 def test_help_and_printing_the_composed_config():
     help_text = grpo_train("--help").stdout
-    assert "grpo-train" in help_text and "conf: code_7b, math_0.5b, math_7b, smollm2_arithmetic, smollm2_calculator, tiny" in help_text
+    assert (
+        "grpo-train" in help_text
+        and "conf: code_7b, math_0.5b, math_7b, smollm2_arithmetic, smollm2_calculator, tiny" in help_text
+    )
     assert "algorithm: cispo, dapo, dr_grpo, grpo, gspo, rloo, sapo" in help_text
     for key in ("loss: clip", "importance_sampling_level: token", "delta: null", "dual_clip: null"):
         assert key in help_text  # the objectives' keys (issue 23), with their defaults

@@ -516,6 +516,11 @@ def _schema_class(annotation: Any) -> Optional[type]:
     return found if isinstance(found, type) and is_dataclass(found) else None
 
 
+def is_multi_turn(rollout_cfg: Any) -> bool:
+    """Whether the run's rollout config (None: a config from before the group) has tools or an environment."""
+    return rollout_cfg is not None and (bool(rollout_cfg.tools) or rollout_cfg.environment is not None)
+
+
 def boosted_group_size(sampler: Any) -> int:
     """The group size adaptive sampling raises to: group_size x factor, capped."""
     return min(sampler.group_size * sampler.adaptive.factor, sampler.adaptive.max_group_size)

@@ -58,8 +58,9 @@ def evaluate(
         if multi_turn:
             played = sampler.greedy_conversations(policy, batch)
             completions = [final_answer(conversation) for conversation in played]
-            sums["eval/tool_use"] += sum(w for c, w in zip(played, weight.tolist()) if c.tool_calls)
-            sums["eval/turns"] += sum(c.turns * w for c, w in zip(played, weight.tolist()))
+            weighted = list(zip(played, weight.tolist()))
+            sums["eval/tool_use"] += sum(w for c, w in weighted if c.tool_calls)
+            sums["eval/turns"] += sum(c.turns * w for c, w in weighted)
         else:
             completions = sampler.greedy(policy, batch)
         scored = scorer.score_texts(batch.texts, completions, batch.columns, (len(chunk),))

@@ -39,11 +39,6 @@ class TurnLimits:
     max_tool_chars: int  # a tool's result is cut to this many characters
 
 
-def is_multi_turn(rollout_cfg: Any) -> bool:
-    """Whether the run's rollout config (None: a config from before the group) has tools or an environment."""
-    return rollout_cfg is not None and (bool(rollout_cfg.tools) or rollout_cfg.environment is not None)
-
-
 class MultiTurnSampler:
     """The Sampler of a run with rollout.tools or rollout.environment: `inner` (the run's fast,
     hf or vllm sampler) draws each turn; the conversations make the Rollout."""

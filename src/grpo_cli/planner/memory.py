@@ -23,7 +23,7 @@ from typing import Any, Optional
 from omegaconf import OmegaConf
 
 from grpo_cli.algorithm.update import shared_prompt_pass_group
-from grpo_cli.config import EVAL_BATCH, ArchitectureConfig, beta_schedule, boosted_group_size
+from grpo_cli.config import EVAL_BATCH, ArchitectureConfig, beta_schedule, boosted_group_size, is_multi_turn
 from grpo_cli.launch import launched_world_size
 from grpo_cli.models.cpu_gemm import ONEDNN_MIN_WEIGHTS
 from grpo_cli.planner.architecture import (
@@ -170,11 +170,10 @@ def _step_shape(cfg: Any, arch: Architecture, device: str, prompt_tokens: Option
     upcast = quantization != "none" and dtype == "float16"
     assumptions = [f"shape from {arch.source}", f"{dtype} on {device}, one process"]
     new = sampler.max_new_tokens
-    rollout = cfg.get("rollout")
-    if rollout is not None and (rollout.tools or rollout.environment is not None):
+    if is_multi_turn(cfg.get("rollout")):
         # A conversation's tail after the prompt (every turn, tool and environment message) is
         # what the update trains on and the last turn's context holds: up to max_total_tokens.
-        new = max(new, int(rollout.max_total_tokens))
+        new = max(new, int(cfg.rollout.max_total_tokens))
         assumptions.append(f"multi-turn: each conversation after its prompt at rollout.max_total_tokens={new}")
     if prompt_tokens is None:
         prompt_tokens = DEFAULT_PROMPT_TOKENS

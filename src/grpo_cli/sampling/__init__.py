@@ -67,7 +67,8 @@ def make_sampler(
 def run_sampler(cfg: Any, models: Models, rows: list[dict[str, Any]], synced: bool = False) -> Sampler:
     """The sampler of a run of `cfg` with `models`, whose prompts are `rows` (train and eval):
     for sampler=vllm, its engine is sized to the longest of them."""
-    from grpo_cli.multiturn.rollout import MultiTurnSampler, is_multi_turn
+    from grpo_cli.config import is_multi_turn
+    from grpo_cli.multiturn.rollout import MultiTurnSampler
 
     engine = None
     if str(cfg.sampler.backend).lower() == "vllm":
