@@ -166,7 +166,10 @@ def test_a_broken_interpolation_names_its_key(tmp_path):
 
 def test_a_missing_model_folder_exits_2(tmp_path):
     message = cli_error(f"model.name_or_path={tmp_path / 'no-model'}", *SMALL, tmp_path=tmp_path)
-    assert f"model.name_or_path={tmp_path / 'no-model'}: {tmp_path / 'no-model'} does not exist" in message
+    assert f"model.name_or_path={tmp_path / 'no-model'}: that path does not exist" in message
+    # a path written with ~ is named again as the folder it expands to
+    message = cli_error("model.name_or_path='~/no-model-here'", *SMALL, tmp_path=tmp_path)
+    assert f"model.name_or_path=~/no-model-here: {Path.home() / 'no-model-here'} does not exist" in message
 
 
 def test_resume_true_without_a_checkpoint_exits_2(tmp_path):

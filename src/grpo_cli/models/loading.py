@@ -108,8 +108,10 @@ def _local_folder(cfg: ModelConfig) -> Optional[str]:
     if not folder.is_dir():
         if folder.exists() or source.startswith(("/", "./", "../", "~")) or source.count("/") > 1:
             what = "is a file, not a model folder" if folder.exists() else "does not exist"
+            # name the expanded or resolved path only where it differs from what the user wrote
+            path = "that path" if str(folder) == cfg.name_or_path else str(folder)
             raise ConfigError(
-                f"model.name_or_path={cfg.name_or_path}: {folder} {what}. Give a Hugging Face model "
+                f"model.name_or_path={cfg.name_or_path}: {path} {what}. Give a Hugging Face model "
                 "folder (it holds config.json and the weights) or a hub id such as Qwen/Qwen2.5-0.5B-Instruct."
             )
         return None
