@@ -456,3 +456,36 @@ def test_with_generates_random_draw_the_fast_sampler_draws_the_very_same_tokens(
     assert completions["fast"].completions == completions["hf"].completions
     assert torch.equal(completions["fast"].completion_mask, completions["hf"].completion_mask)
     assert len(set(completions["hf"].completions)) > 20  # varied samples, not one repeated answer
+
+
+def test_a_turn_continues_from_the_kept_keys_and_values_as_a_fresh_prefill_would(tiny_model_dir):
+    # keeping_turns: the second decode prefills only what follows each row's kept prefix (the
+    # first turn's last token and the "reply"), with identical prompt rows prefilled once, and
+    # draws what a decode of the whole context from scratch draws.
+    cfg, models, sampler = setup(tiny_model_dir, "fast", "sampler.max_new_tokens=8", "data.prompts_per_step=4")
+    policy, eos = models.policy, models.tokenizer.eos_token_id
+    batch = PromptSource(cfg.data, models.tokenizer).next_batch()
+    ids, mask = batch.input_ids.repeat_interleave(2, dim=0), batch.attention_mask.repeat_interleave(2, dim=0)
+    prefilled = []
+    hook = policy.model.embed_tokens.register_forward_hook(lambda module, args, out: prefilled.append(args[0].shape))
+    reply = ids[0][mask[0].bool()][-3:].tolist()  # three tokens that stand for a tool's answer
+    with sampler.keeping_turns():
+        first = sampler.decode(policy, ids, mask, 1, greedy=True)
+        contexts = []
+        for row in range(ids.shape[0]):
+            drawn = first[row].tolist()
+            drawn = drawn[: drawn.index(eos) + 1] if eos in drawn else drawn
+            contexts.append(ids[row][mask[row].bool()].tolist() + drawn + reply)
+        width = max(len(row) for row in contexts)
+        next_ids = torch.tensor([[eos] * (width - len(row)) + row for row in contexts])
+        next_mask = torch.tensor([[0] * (width - len(row)) + [1] * len(row) for row in contexts])
+        before = len(prefilled)
+        continued = sampler.decode(policy, next_ids, next_mask, 1, greedy=True)
+        second_prefill = prefilled[before]
+    hook.remove()
+    assert prefilled[0] == (batch.size, ids.shape[1])  # each prompt once, not twice
+    # greedy: the copies drew alike, so their contexts are one row again
+    assert second_prefill[0] == len({tuple(row) for row in contexts}) and second_prefill[1] <= len(reply) + 1
+    assert sampler.kept is None  # dropped at the end of the rollout
+    fresh = sampler.decode(policy, next_ids, next_mask, 1, greedy=True)
+    assert torch.equal(continued, fresh) and len({tuple(row) for row in fresh.tolist()}) > 1

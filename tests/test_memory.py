@@ -567,3 +567,8 @@ def test_a_multi_turn_plan_counts_the_conversation_and_the_tools_description(smo
     described = tools_prompt_tokens(cfg.rollout.tools, tokenizer)
     assert described > 100  # the calculator's JSON schema and how to call it
     assert plan.prompt_tokens == max(prompt_lengths(cfg.data, rows, tokenizer)) + described
+    # sampler=fast keeps the last turn's keys and values beside the next turn's cache; hf does not
+    assert plan.bytes_of("sampling kept turns") == plan.bytes_of("sampling KV cache") > 0
+    assert single_turn.bytes_of("sampling kept turns") == 0
+    by_hf = plan_for(config(smollm2_dir, "sampler.backend=hf", calculator), torch.device("cpu"), rows)
+    assert by_hf.bytes_of("sampling kept turns") == 0

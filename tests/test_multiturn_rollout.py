@@ -3,6 +3,8 @@ scripted policy whose turns are known: tool calls run and answered, environments
 the conversations still going sampled each turn, every limit applied, and the Rollout's ids the
 ones drawn, rendered back through the template without a difference."""
 
+import contextlib
+
 import pytest
 import torch
 from transformers import AutoTokenizer
@@ -158,7 +160,21 @@ def test_a_real_sampler_serves_the_turns_and_the_rollout_renders_as_its_template
         return sampler.sample(models.policy, batch, group_size=1)
 
     limits = TurnLimits(max_turns=3, max_total_tokens=200, tool_timeout_s=None, max_tool_chars=200)
-    conversations = run_conversations(sample_turn, tokenizer, opening, [], limits, games)
+    # fast: each turn after the first prefills only what follows the last turn's kept keys and values
+    keeping = sampler.keeping_turns() if backend == "fast" else contextlib.nullcontext()
+    prefills = []
+    embed = models.policy.get_input_embeddings()
+
+    def record_prefill(module, args, output):  # a decode step embeds one token a row
+        if args[0].shape[1] > 1:
+            prefills.append(args[0].shape)
+
+    hook = embed.register_forward_hook(record_prefill)
+    with keeping:
+        conversations = run_conversations(sample_turn, tokenizer, opening, [], limits, games)
+    hook.remove()
+    if backend == "fast":  # the first turn's prefill: the prompts; a later one: the replies
+        assert len(prefills) == len(sizes) and all(later[1] < prefills[0][1] // 2 for later in prefills[1:])
     assert sizes[0] == 4 and sizes == sorted(sizes, reverse=True) and len(sizes) <= 3
     assert sum(sizes) == sum(c.turns for c in conversations)
     assert any(c.turns > 1 for c in conversations)  # seed 0 here: [4, 2, 2] (fast), [4, 4, 2] (hf)

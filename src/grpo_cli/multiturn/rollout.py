@@ -5,12 +5,14 @@ Rollout of them all for the reward stage and the update.
 Each turn, the active conversations' ids so far (prompt + every segment, as drawn) are one
 PromptBatch of one completion each, so any sampler (fast, hf, vllm) serves it; a conversation
 ends when its turn calls no tool (or, with an environment, when the environment says done), at
-rollout.max_turns, or at rollout.max_total_tokens. The sampler prefills each turn's context
-again; continuing from its cache is the next step for the backends that allow it.
+rollout.max_turns, or at rollout.max_total_tokens. sampler=fast continues each conversation from
+the keys and values of its last turn (prefilling only the turn's last token and the reply), vLLM
+from its prefix cache; sampler=hf prefills each turn's context again.
 """
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -101,7 +103,10 @@ class MultiTurnSampler:
             filled = padded(ids, self.tokenizer.eos_token_id, left=False)
             return rollout_from(turn_batch, 1, filled, self.tokenizer, 1.0)
 
-        played = run_conversations(sample_turn, self.tokenizer, opening, self.tools, self.limits, environments)
+        # sampler=fast keeps each turn's keys and values for the next (vLLM has its prefix cache)
+        keeping = getattr(self.inner, "keeping_turns", contextlib.nullcontext)
+        with keeping():
+            played = run_conversations(sample_turn, self.tokenizer, opening, self.tools, self.limits, environments)
         return played, bool(kept_log_probs) and all(kept_log_probs)
 
     def sample(self, policy: Any, batch: PromptBatch, group_size: int | None = None) -> Rollout:

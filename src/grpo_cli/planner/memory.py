@@ -252,6 +252,10 @@ def _sampling_rows(
     CPU's GEMM in float32, or in bfloat16 under autocast."""
     amounts = sampling_amounts(arch, shape.act, sequences, shape.prompt_tokens, shape.new_tokens)
     rows = [_row(f"{phase} {what}", amount, phase) for what, amount in zip(("KV cache", "work"), amounts)]
+    if is_multi_turn(cfg.get("rollout")) and str(cfg.sampler.backend).lower() == "fast":
+        # FastSampler.keeping_turns: the last turn's keys and values, beside the next turn's cache
+        kept = amounts[0]._replace(note=f"the last turn's KV kept for the next: {amounts[0].note}")
+        rows.append(_row(f"{phase} kept turns", kept, phase))
     packed = packed_linear_weights(cfg, arch, shape.device, shape.dtype, adapter)
     if packed:
         rows.append(_row(f"{phase} packed weights", packed, phase))

@@ -14,7 +14,9 @@ as transformers' `generate` (`sampler=hf`), with less work per token:
   (packed.decode_gemm: oneDNN's, in bfloat16 under autocast, or MKL's packed one in float32
   on an Intel CPU), not laid out or cast again at every token;
 - the loop runs under inference mode (no-grad mode under FSDP) and stops as soon as every
-  completion has ended.
+  completion has ended;
+- within `keeping_turns` (a multi-turn rollout) each decode keeps its rows' keys and values, and
+  the next turn prefills only what follows each conversation's kept prefix (KeptTurns).
 
 The pure core is `next_token_scores` (the distribution) and `draw_tokens` (one token per row).
 """
@@ -25,7 +27,7 @@ import contextlib
 
 import torch
 from transformers import AttentionInterface
-from transformers.cache_utils import DynamicLayer
+from transformers.cache_utils import DynamicCache, DynamicLayer
 
 from grpo_cli.config import SamplerConfig
 from grpo_cli.models.loading import autocast_to
@@ -69,17 +71,16 @@ def draw_tokens(scores: torch.Tensor, greedy: bool) -> torch.Tensor:
 
 class PreallocatedLayer(DynamicLayer):
     """One layer's keys and values [N, kv_heads, capacity, head_dim], written in place; attention
-    reads the filled part, a view. Made from the prompt pass's layer, each row `copies` times."""
+    reads the filled part, a view. Made from the keys and values so far [N, kv_heads, L, head_dim]."""
 
-    def __init__(self, prompt_layer: DynamicLayer, copies: int, capacity: int):
+    def __init__(self, keys: torch.Tensor, values: torch.Tensor, capacity: int):
         super().__init__()
-        keys, values = prompt_layer.keys, prompt_layer.values  # [B, kv_heads, P, head_dim]
-        shape = (keys.shape[0] * copies, keys.shape[1], capacity, keys.shape[3])
+        shape = (keys.shape[0], keys.shape[1], capacity, keys.shape[3])
         self.key_buffer = keys.new_empty(shape)
         self.value_buffer = values.new_empty(shape)
         self.length = keys.shape[2]
-        self.key_buffer[:, :, : self.length] = keys.repeat_interleave(copies, dim=0)
-        self.value_buffer[:, :, : self.length] = values.repeat_interleave(copies, dim=0)
+        self.key_buffer[:, :, : self.length] = keys
+        self.value_buffer[:, :, : self.length] = values
         self.device, self.is_initialized = keys.device, True
         self._expose()
 
@@ -202,6 +203,84 @@ def one_token_forward(policy, attention: torch.Tensor, cache, layer_by_layer: bo
     return forward
 
 
+class KeptTurns:
+    """The keys and values of a decode's rows (FastSampler.keeping_turns), each row's context and
+    the tokens it drew up to its end, for the next turn of the same conversations."""
+
+    def __init__(self):
+        self.ids: list[torch.Tensor] = []  # each kept row's tokens [L_j]
+        self.keys: list[list[torch.Tensor]] = []  # each kept row's, layer by layer [kv_heads, L_j, head_dim]
+        self.values: list[list[torch.Tensor]] = []
+
+    def longest_prefix(self, ids: torch.Tensor) -> tuple[int, int]:
+        """The kept row sharing the longest prefix with `ids` [L], and that prefix's length: at
+        most L - 1, so that a prefill is left to give the next token's logits (0: none shared)."""
+        best, best_length = 0, 0
+        for index, kept in enumerate(self.ids):
+            width = min(len(kept), len(ids) - 1)
+            differ = (kept[:width] != ids[:width]).nonzero()
+            length = int(differ[0, 0]) if len(differ) else width
+            if length > best_length:
+                best, best_length = index, length
+        return best, best_length
+
+    def after_prefixes(self, ids: torch.Tensor, mask: torch.Tensor):
+        """The prefill of rows ids, mask [U, P] (left-padded) after their kept prefixes:
+        (new ids [U, S], context ids [U, C + S], context mask [U, C + S], past cache or None).
+        Row u's kept prefix is right-aligned in the first C positions and its new tokens in the
+        last S, padding (holes) before each; the past holds the kept keys and values where the
+        prefix is. The kept rows are dropped (the decode keeps its own)."""
+        rows = [ids[u][mask[u].bool()] for u in range(ids.shape[0])]
+        matches = [self.longest_prefix(row) for row in rows]
+        kept_width = max((length for _, length in matches), default=0)
+        if kept_width == 0:
+            self.ids, self.keys, self.values = [], [], []
+            return ids, ids, mask, None
+        new_width = max(len(row) - length for row, (_, length) in zip(rows, matches))
+        width = kept_width + new_width
+        context_ids, context_mask = ids.new_zeros(ids.shape[0], width), mask.new_zeros(ids.shape[0], width)
+        first = self.keys[0]
+        past_keys = [layer.new_zeros(ids.shape[0], layer.shape[0], kept_width, layer.shape[2]) for layer in first]
+        past_values = [torch.zeros_like(layer) for layer in past_keys]
+        for u, (row, (index, length)) in enumerate(zip(rows, matches)):
+            fresh = len(row) - length
+            context_ids[u, kept_width - length : kept_width], context_ids[u, width - fresh :] = (
+                row[:length],
+                row[length:],
+            )
+            context_mask[u, kept_width - length : kept_width], context_mask[u, width - fresh :] = 1, 1
+            for layer in range(len(first)):
+                past_keys[layer][u, :, kept_width - length :] = self.keys[index][layer][:, :length]
+                past_values[layer][u, :, kept_width - length :] = self.values[index][layer][:, :length]
+        self.ids, self.keys, self.values = [], [], []
+        past = DynamicCache()
+        for layer, (keys, values) in enumerate(zip(past_keys, past_values)):
+            past.update(keys, values, layer)
+        return context_ids[:, kept_width:], context_ids, context_mask, past
+
+    def keep(
+        self,
+        context_ids: torch.Tensor,  # [N, W]
+        attention: torch.Tensor,  # [N, W + T]: 1 = a token
+        layers: list[PreallocatedLayer],
+        completions: torch.Tensor,  # [N, T]
+        eos: int,
+    ) -> None:
+        """Each row's context and drawn tokens up to its EOS, as far as their keys and values were
+        written (a turn's last token is drawn, never run through the model)."""
+        width = context_ids.shape[1]
+        written = layers[0].length - width  # completion tokens run through the model
+        for row in range(context_ids.shape[0]):
+            drawn = completions[row, :written]
+            ends = (drawn == eos).nonzero()
+            drawn = drawn[: int(ends[0, 0]) + 1] if len(ends) else drawn
+            real = attention[row, :width].bool()
+            where = torch.cat([real.nonzero()[:, 0], torch.arange(width, width + len(drawn), device=real.device)])
+            self.ids.append(torch.cat([context_ids[row][real], drawn]))
+            self.keys.append([layer.key_buffer[row][:, where] for layer in layers])
+            self.values.append([layer.value_buffer[row][:, where] for layer in layers])
+
+
 class FastSampler:
     def __init__(self, cfg: SamplerConfig, tokenizer, synced: bool = False, autocast: torch.dtype | None = None):
         self.cfg = cfg
@@ -210,6 +289,7 @@ class FastSampler:
         # FSDP: every rank runs the same number of forward passes (each gathers weights), so a
         # rank whose completions have all ended keeps stepping until every rank has.
         self.synced = synced
+        self.kept: KeptTurns | None = None  # within keeping_turns: the last decode's keys and values
 
     def sample(self, policy, batch: PromptBatch, group_size: int | None = None) -> Rollout:
         """G completions per prompt; G = sampler.group_size unless given (adaptive group size)."""
@@ -225,6 +305,18 @@ class FastSampler:
         completion_ids = self.decode(policy, batch.input_ids, batch.attention_mask, 1, greedy=True)
         return self.tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
 
+    @contextlib.contextmanager
+    def keeping_turns(self):
+        """Within it, each decode keeps its rows' keys and values, and the next decode prefills
+        only what follows each row's longest kept prefix: the turns of one multi-turn rollout,
+        whose conversations grow by the turn drawn and the reply to it. Dropped at the end (the
+        next rollout samples from new weights)."""
+        self.kept = KeptTurns()
+        try:
+            yield
+        finally:
+            self.kept = None
+
     def decode(
         self, policy, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, copies: int, greedy: bool
     ) -> torch.Tensor:
@@ -232,9 +324,7 @@ class FastSampler:
         completion's EOS come pad tokens. prompt_ids, prompt_mask: [B, P], left-padded."""
         cfg, eos, pad = self.cfg, self.tokenizer.eos_token_id, self.tokenizer.pad_token_id
         device = next(policy.parameters()).device
-        # FSDP (synced) gathers the weights in the model's own forward: no layer-by-layer there
-        direct = not self.synced and runs_layer_by_layer(policy, prompt_ids.shape[1] + cfg.max_new_tokens)
-        attending = AttentionImplementation(policy, SINGLE_QUERY_ATTENTION) if direct else contextlib.nullcontext()
+        kept = self.kept if copies == 1 and not self.synced else None
         was_training = policy.training
         policy.eval()  # no dropout; also lets a checkpointed model use its KV cache
         # FSDP gathers each layer's weights into buffers it writes in place in training too: made
@@ -243,28 +333,42 @@ class FastSampler:
         try:
             with no_grad, autocast_to(self.autocast, device):
                 prompt_ids, prompt_mask = prompt_ids.to(device), prompt_mask.to(device)
-                positions = (prompt_mask.long().cumsum(dim=1) - 1).clamp(min=0)  # [B, P]; left padding
+                if kept is None:  # each prompt once, its keys and values copied to its completions
+                    rows = torch.arange(prompt_ids.shape[0], device=device).repeat_interleave(copies)
+                    new_ids, context_ids, context_mask, past = prompt_ids, prompt_ids, prompt_mask, None
+                else:  # identical rows once (a rollout's first turn: G copies of each prompt)
+                    together = torch.cat([prompt_ids, prompt_mask.to(prompt_ids.dtype)], dim=1)
+                    unique, rows = torch.unique(together, dim=0, return_inverse=True)
+                    width = prompt_ids.shape[1]
+                    new_ids, context_ids, context_mask, past = kept.after_prefixes(unique[:, :width], unique[:, width:])
+                width = context_mask.shape[1]  # [U, W]: prompt_mask's, or kept prefix and new tokens with holes
+                positions = (context_mask.long().cumsum(dim=1) - 1).clamp(min=0)  # [U, W]; holes are padding
                 output = policy(
-                    input_ids=prompt_ids,
-                    attention_mask=prompt_mask,
-                    position_ids=positions,
+                    input_ids=new_ids,
+                    attention_mask=context_mask,
+                    position_ids=positions[:, width - new_ids.shape[1] :],
                     use_cache=True,
                     logits_to_keep=1,
+                    **with_cache(past),
                 )
-                cache = returned_cache(output)  # the prompts' keys and values: copied once per completion, with room
+                # FSDP (synced) gathers the weights in the model's own forward: no layer-by-layer there
+                direct = not self.synced and runs_layer_by_layer(policy, width + cfg.max_new_tokens)
+                attending = (
+                    AttentionImplementation(policy, SINGLE_QUERY_ATTENTION) if direct else contextlib.nullcontext()
+                )
+                # the context's keys and values: copied once per completion, with room for it
+                cache = returned_cache(output)
                 cache.layers = [
-                    PreallocatedLayer(layer, copies, prompt_ids.shape[1] + cfg.max_new_tokens) for layer in cache.layers
+                    PreallocatedLayer(layer.keys[rows], layer.values[rows], width + cfg.max_new_tokens)
+                    for layer in cache.layers
                 ]
-                logits = output.logits[:, -1].repeat_interleave(copies, dim=0)  # [N, V]
-                count, length = logits.shape[0], prompt_ids.shape[1]
-                # Every position a completion can reach: its prompt's padding, then its own tokens.
-                attention = torch.cat(
-                    [prompt_mask.repeat_interleave(copies, dim=0), prompt_mask.new_ones(count, cfg.max_new_tokens)],
-                    dim=1,
-                )  # [N, P + T]
+                logits = output.logits[:, -1][rows]  # [N, V]
+                count = logits.shape[0]
+                # Every position a completion can reach: its context's padding, then its own tokens.
+                attention = torch.cat([context_mask[rows], context_mask.new_ones(count, cfg.max_new_tokens)], dim=1)
                 one_token = one_token_forward(policy, attention, cache, direct)
                 packed = self.decode_weights(policy, count, direct)
-                next_position = positions[:, -1:].repeat_interleave(copies, dim=0) + 1  # [N, 1]
+                next_position = positions[:, -1:][rows] + 1  # [N, 1]
                 completions = torch.full((count, cfg.max_new_tokens), pad, dtype=torch.long, device=device)
                 running = torch.ones(count, dtype=torch.bool, device=device)
                 for step in range(cfg.max_new_tokens):
@@ -279,8 +383,10 @@ class FastSampler:
                     if step == cfg.max_new_tokens - 1 or not self._any_running(running):
                         break
                     with attending, packed:  # the decode steps only: the prompt pass above ran sdpa
-                        logits = one_token(tokens, next_position, length + step + 1)
+                        logits = one_token(tokens, next_position, width + step + 1)
                     next_position = next_position + 1
+                if kept is not None:
+                    kept.keep(context_ids[rows], attention, cache.layers, completions, eos)
         finally:
             policy.train(was_training)
         return completions.cpu().clone()  # a normal tensor: inference-mode ones cannot enter autograd
