@@ -29,7 +29,7 @@ import sys
 import time
 from pathlib import Path
 
-from bench_log_probs import cpu_flags  # scripts/ is on the path of a script run from it
+from bench_step import cpu_line  # scripts/ is on the path of a script run from it
 
 GRPO_TRAIN = str(Path(sys.executable).parent / "grpo-train")
 ONE_EVAL = ("rollout=single_turn", "trainer.steps=1", "trainer.checkpoint_every=0")
@@ -71,7 +71,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=None, help="trainer.steps (default: the preset's)")
     parser.add_argument("--reuse", action="store_true", help="read the runs already in --out instead of rerunning")
     args = parser.parse_args()
-    print(f"CPU: {cpu_flags()}", flush=True)
+    print(f"CPU: {cpu_line()}", flush=True)
     baselines = []
     for index, (framing, overrides) in enumerate(NO_TOOLS.items()):
         rows, minutes = grpo_train(args.out / f"without-tools-{index}", *ONE_EVAL, *overrides, reuse=args.reuse)

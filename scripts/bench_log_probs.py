@@ -28,6 +28,8 @@ import sys
 import time
 from pathlib import Path
 
+from bench_step import cpu_line  # scripts/ is on the path of a script run from it
+
 SCRIPTS = Path(__file__).resolve().parent
 QWEN_05B = dict(
     hidden_size=896,
@@ -93,13 +95,6 @@ def run(vocab: int, through_head: bool, layers: int, bf16: bool, repeats: int) -
     return result
 
 
-def cpu_flags() -> str:
-    with open("/proc/cpuinfo") as info:
-        text = info.read()
-    model = next((line.split(":", 1)[1].strip() for line in text.splitlines() if line.startswith("model name")), "?")
-    return f"{model}, {os.cpu_count()} cores, avx512_bf16 {'yes' if 'avx512_bf16' in text else 'no'}"
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--layers", type=int, default=4, help="decoder layers of the Qwen2.5-0.5B shape (24 in full)")
@@ -110,7 +105,7 @@ def main() -> None:
     args = parser.parse_args()
     import torch
 
-    print(f"CPU: {cpu_flags()}; torch {torch.__version__}; {'bf16 autocast' if args.bf16 else 'float32'}")
+    print(f"CPU: {cpu_line()}; torch {torch.__version__}; {'bf16 autocast' if args.bf16 else 'float32'}")
     print(
         f"Qwen2.5-0.5B shape, {args.layers} layers; {PROMPTS} prompts x G = {GROUP}, P = {PROMPT_TOKENS}, T = {NEW_TOKENS}"
     )

@@ -734,22 +734,26 @@ def profile_step(case: Case, rows: int = 15) -> str:
 CPU_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_bf16")
 
 
-def machine() -> str:
-    import torch
-    import transformers
-    import trl
-
+def cpu_line() -> str:
+    """The CPU, the flags that change which kernels run, and the cores: every bench's first line."""
     cpuinfo = open("/proc/cpuinfo").read().splitlines() if os.path.exists("/proc/cpuinfo") else []
     cpu = next(
         (line.split(":", 1)[1].strip() for line in cpuinfo if line.startswith("model name")), platform.processor()
     )
     flags = set(next((line.split(":", 1)[1].split() for line in cpuinfo if line.startswith("flags")), []))
-    # The flags that change which kernels run: bf16 matmuls are 1.5x faster than float32 with
-    # avx512_bf16 and 3x slower without; bitsandbytes takes another 4-bit path with it.
+    # bf16 matmuls are 1.5x faster than float32 with avx512_bf16 and 3x slower without;
+    # bitsandbytes takes another 4-bit path with it.
     named = ", ".join(f"{flag} {'yes' if flag in flags else 'no'}" for flag in CPU_FLAGS)
+    return f"{cpu} ({named}), {os.cpu_count()} cores visible"
+
+
+def machine() -> str:
+    import torch
+    import transformers
+    import trl
+
     return (
-        f"{cpu} ({named}), {os.cpu_count()} cores visible, torch {torch.__version__} "
-        f"({torch.get_num_threads()} threads), "
+        f"{cpu_line()}, torch {torch.__version__} ({torch.get_num_threads()} threads), "
         f"transformers {transformers.__version__}, trl {trl.__version__}, Python {platform.python_version()}"
     )
 

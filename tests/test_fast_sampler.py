@@ -471,6 +471,7 @@ def test_a_turn_continues_from_the_kept_keys_and_values_as_a_fresh_prefill_would
     reply = ids[0][mask[0].bool()][-3:].tolist()  # three tokens that stand for a tool's answer
     with sampler.keeping_turns():
         first = sampler.decode(policy, ids, mask, 1, greedy=True)
+        assert len(sampler.kept.ids) == batch.size  # the greedy copies drew alike: each kept once
         contexts = []
         for row in range(ids.shape[0]):
             drawn = first[row].tolist()

@@ -570,5 +570,15 @@ def test_a_multi_turn_plan_counts_the_conversation_and_the_tools_description(smo
     # sampler=fast keeps the last turn's keys and values beside the next turn's cache; hf does not
     assert plan.bytes_of("sampling kept turns") == plan.bytes_of("sampling KV cache") > 0
     assert single_turn.bytes_of("sampling kept turns") == 0
-    by_hf = plan_for(config(smollm2_dir, "sampler.backend=hf", calculator), torch.device("cpu"), rows)
+    by_hf = plan_for(
+        config(
+            smollm2_dir, "sampler.backend=hf", "sampler.max_new_tokens=24", calculator, "rollout.max_total_tokens=160"
+        ),
+        torch.device("cpu"),
+        rows,
+    )
     assert by_hf.bytes_of("sampling kept turns") == 0
+    # fast's later turns align each row's kept prefix and new tokens apart: up to a turn's
+    # max_new_tokens of holes wider than hf's cache of prompt + max_total_tokens
+    positions = plan.prompt_tokens + 160
+    assert plan.bytes_of("sampling KV cache") * positions == by_hf.bytes_of("sampling KV cache") * (positions + 24)

@@ -250,9 +250,13 @@ def _sampling_rows(
     """A decode of `sequences` rows (the step's sampling, or the eval's greedy batch): its KV
     cache, its work, and the copies of the weights sampler=fast decodes with: laid out for the
     CPU's GEMM in float32, or in bfloat16 under autocast."""
-    amounts = sampling_amounts(arch, shape.act, sequences, shape.prompt_tokens, shape.new_tokens)
+    keeps_turns = is_multi_turn(cfg.get("rollout")) and str(cfg.sampler.backend).lower() == "fast"
+    # KeptTurns.after_prefixes aligns each row's kept prefix and its new tokens apart, so a later
+    # turn's cache is wider than its longest row by up to a turn's new tokens: about max_new_tokens.
+    holes = cfg.sampler.max_new_tokens if keeps_turns else 0
+    amounts = sampling_amounts(arch, shape.act, sequences, shape.prompt_tokens, shape.new_tokens + holes)
     rows = [_row(f"{phase} {what}", amount, phase) for what, amount in zip(("KV cache", "work"), amounts)]
-    if is_multi_turn(cfg.get("rollout")) and str(cfg.sampler.backend).lower() == "fast":
+    if keeps_turns:
         # FastSampler.keeping_turns: the last turn's keys and values, beside the next turn's cache
         kept = amounts[0]._replace(note=f"the last turn's KV kept for the next: {amounts[0].note}")
         rows.append(_row(f"{phase} kept turns", kept, phase))

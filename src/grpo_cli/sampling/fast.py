@@ -267,16 +267,22 @@ class KeptTurns:
         eos: int,
     ) -> None:
         """Each row's context and drawn tokens up to its EOS, as far as their keys and values were
-        written (a turn's last token is drawn, never run through the model)."""
+        written (a turn's last token is drawn, never run through the model). Rows alike (greedy
+        copies, or samples that drew the same) are kept once."""
         width = context_ids.shape[1]
         written = layers[0].length - width  # completion tokens run through the model
+        seen = {tuple(ids.tolist()) for ids in self.ids}
         for row in range(context_ids.shape[0]):
             drawn = completions[row, :written]
             ends = (drawn == eos).nonzero()
             drawn = drawn[: int(ends[0, 0]) + 1] if len(ends) else drawn
             real = attention[row, :width].bool()
+            ids = torch.cat([context_ids[row][real], drawn])
+            if tuple(ids.tolist()) in seen:
+                continue
+            seen.add(tuple(ids.tolist()))
             where = torch.cat([real.nonzero()[:, 0], torch.arange(width, width + len(drawn), device=real.device)])
-            self.ids.append(torch.cat([context_ids[row][real], drawn]))
+            self.ids.append(ids)
             self.keys.append([layer.key_buffer[row][:, where] for layer in layers])
             self.values.append([layer.value_buffer[row][:, where] for layer in layers])
 
@@ -339,8 +345,10 @@ class FastSampler:
                 else:  # identical rows once (a rollout's first turn: G copies of each prompt)
                     together = torch.cat([prompt_ids, prompt_mask.to(prompt_ids.dtype)], dim=1)
                     unique, rows = torch.unique(together, dim=0, return_inverse=True)
-                    width = prompt_ids.shape[1]
-                    new_ids, context_ids, context_mask, past = kept.after_prefixes(unique[:, :width], unique[:, width:])
+                    prompt_width = prompt_ids.shape[1]
+                    new_ids, context_ids, context_mask, past = kept.after_prefixes(
+                        unique[:, :prompt_width], unique[:, prompt_width:]
+                    )
                 width = context_mask.shape[1]  # [U, W]: prompt_mask's, or kept prefix and new tokens with holes
                 positions = (context_mask.long().cumsum(dim=1) - 1).clamp(min=0)  # [U, W]; holes are padding
                 output = policy(
