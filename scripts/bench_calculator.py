@@ -11,9 +11,9 @@ GRPO for each seed, the share of problems where it calls the tool, and the minut
                   calls it, greedy (the step-0 eval) and sampled (step 1's 16 conversations)
   with tools      `grpo-train conf=smollm2_calculator trainer.seed=S`, its step-0 and last evals
   trained without tools
-                  the same GRPO run (seed, steps, prompts) with rollout=single_turn and the strict
-                  framing above: what training alone buys without the calculator, since the reward
-                  also takes the sum written out ("10 + 17 = 27"), which the model can learn
+                  the same GRPO run (seed, steps, prompts) with rollout=single_turn in each framing
+                  above, the higher of the two: what training alone buys without the calculator,
+                  since the reward also takes the sum written out ("10 + 17 = 27")
 
     .venv/bin/python scripts/bench_calculator.py --seeds 0 1 2 --out /tmp/calculator
 
@@ -88,22 +88,25 @@ def main() -> None:
     steps = [f"trainer.steps={args.steps}"] if args.steps else []
     print(
         "| seed | accuracy before -> after | tool use before -> after | after - without tools "
-        "| trained without tools | after - trained without tools | minutes (tools, without) |"
+        "| trained without tools | after - trained without tools | minutes (tools, both without) |"
     )
     print("|---|---|---|---|---|---|---|")
     gains, gains_over_trained = [], []
     for seed in args.seeds:
         rows, minutes = grpo_train(args.out / f"seed{seed}", f"trainer.seed={seed}", *steps, reuse=args.reuse)
         first, last = evals(rows)[0], evals(rows)[-1]
-        untooled_rows, untooled_minutes = grpo_train(
-            args.out / f"seed{seed}-without-tools",
-            f"trainer.seed={seed}",
-            *steps,
-            "rollout=single_turn",
-            *NO_TOOLS["worked example, strict"],
-            reuse=args.reuse,
-        )
-        trained_without_tools = evals(untooled_rows)[-1]["eval/accuracy"]
+        trained_without_tools, untooled_minutes = 0.0, 0.0
+        for index, (framing, overrides) in enumerate(NO_TOOLS.items()):
+            untooled_rows, minutes_taken = grpo_train(
+                args.out / f"seed{seed}-without-tools-{index}",
+                f"trainer.seed={seed}",
+                *steps,
+                "rollout=single_turn",
+                *overrides,
+                reuse=args.reuse,
+            )
+            trained_without_tools = max(trained_without_tools, evals(untooled_rows)[-1][SCORE[framing]])
+            untooled_minutes += minutes_taken
         gains.append(last["eval/accuracy"] - baseline)
         gains_over_trained.append(last["eval/accuracy"] - trained_without_tools)
         print(
