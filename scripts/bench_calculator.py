@@ -32,7 +32,7 @@ from pathlib import Path
 from bench_step import cpu_line  # scripts/ is on the path of a script run from it
 
 GRPO_TRAIN = str(Path(sys.executable).parent / "grpo-train")
-ONE_EVAL = ("rollout=single_turn", "trainer.steps=1", "trainer.checkpoint_every=0")
+ONE_EVAL = ("trainer.steps=1", "trainer.checkpoint_every=0")
 # The first framing is the preset's worked example with the call taken out: the answer given straight away.
 NO_TOOLS = {
     "worked example, strict": (
@@ -64,6 +64,17 @@ def evals(rows: list[dict]) -> list[dict]:
     return [row for row in rows if "eval/accuracy" in row]
 
 
+def without_tools(run_dir: Path, *overrides: str, reuse: bool) -> list[tuple[str, list[dict], float]]:
+    """A rollout=single_turn run in each framing of NO_TOOLS (in run_dir-0, run_dir-1):
+    (framing, metrics rows, minutes) each."""
+    runs = []
+    for index, (framing, framing_overrides) in enumerate(NO_TOOLS.items()):
+        path = Path(f"{run_dir}-{index}")
+        rows, minutes = grpo_train(path, "rollout=single_turn", *overrides, *framing_overrides, reuse=reuse)
+        runs.append((framing, rows, minutes))
+    return runs
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
@@ -73,12 +84,11 @@ def main() -> None:
     args = parser.parse_args()
     print(f"CPU: {cpu_line()}", flush=True)
     baselines = []
-    for index, (framing, overrides) in enumerate(NO_TOOLS.items()):
-        rows, minutes = grpo_train(args.out / f"without-tools-{index}", *ONE_EVAL, *overrides, reuse=args.reuse)
+    for framing, rows, minutes in without_tools(args.out / "without-tools", *ONE_EVAL, reuse=args.reuse):
         baselines.append(evals(rows)[0][SCORE[framing]])
         print(f"without tools ({framing}): greedy accuracy {baselines[-1]:.3f} ({minutes:.1f} min)", flush=True)
     baseline = max(baselines)
-    rows, minutes = grpo_train(args.out / "no-worked-call", *ONE_EVAL[1:], "data.few_shot=[]", reuse=args.reuse)
+    rows, minutes = grpo_train(args.out / "no-worked-call", *ONE_EVAL, "data.few_shot=[]", reuse=args.reuse)
     first_eval, first_step = evals(rows)[0], next(row for row in rows if "rollout/tool_calls" in row)
     print(
         f"tools, no worked call: tool use greedy {first_eval['eval/tool_use']:.3f}, sampled "
@@ -95,18 +105,11 @@ def main() -> None:
     for seed in args.seeds:
         rows, minutes = grpo_train(args.out / f"seed{seed}", f"trainer.seed={seed}", *steps, reuse=args.reuse)
         first, last = evals(rows)[0], evals(rows)[-1]
-        trained_without_tools, untooled_minutes = 0.0, 0.0
-        for index, (framing, overrides) in enumerate(NO_TOOLS.items()):
-            untooled_rows, minutes_taken = grpo_train(
-                args.out / f"seed{seed}-without-tools-{index}",
-                f"trainer.seed={seed}",
-                *steps,
-                "rollout=single_turn",
-                *overrides,
-                reuse=args.reuse,
-            )
-            trained_without_tools = max(trained_without_tools, evals(untooled_rows)[-1][SCORE[framing]])
-            untooled_minutes += minutes_taken
+        untooled = without_tools(
+            args.out / f"seed{seed}-without-tools", f"trainer.seed={seed}", *steps, reuse=args.reuse
+        )
+        trained_without_tools = max(evals(run)[-1][SCORE[framing]] for framing, run, _ in untooled)
+        untooled_minutes = sum(taken for _, _, taken in untooled)
         gains.append(last["eval/accuracy"] - baseline)
         gains_over_trained.append(last["eval/accuracy"] - trained_without_tools)
         print(

@@ -278,9 +278,10 @@ class KeptTurns:
             drawn = drawn[: int(ends[0, 0]) + 1] if len(ends) else drawn
             real = attention[row, :width].bool()
             ids = torch.cat([context_ids[row][real], drawn])
-            if tuple(ids.tolist()) in seen:
+            key = tuple(ids.tolist())
+            if key in seen:
                 continue
-            seen.add(tuple(ids.tolist()))
+            seen.add(key)
             where = torch.cat([real.nonzero()[:, 0], torch.arange(width, width + len(drawn), device=real.device)])
             self.ids.append(ids)
             self.keys.append([layer.key_buffer[row][:, where] for layer in layers])
