@@ -10,7 +10,10 @@ Sampled reward alone is no proof (a policy can sharpen onto a shortcut such as a
 the most frequent answer); the bar is the greedy accuracy on the eval draw, before vs after.
 "After" is the mean of the last three evals (steps 500, 600, 700): a single one swings by up to
 0.3 from one eval to the next on this task (0.87 at step 600, 0.57 at 650 in one rloo run),
-and float rounding alone (another summation order) moves where a run lands in that swing.
+and float rounding alone (another summation order) moves where a run lands in that swing. The
+other algorithms' runs stop at step 500 and are judged on the evals at 300-500: four 700-step
+runs were the suite's longest test (684 s in CI), and on 2026-12-07 their first 500 steps
+already cleared the bar by 0.06-0.39 (docs/ALGORITHM.md).
 """
 
 from __future__ import annotations
@@ -25,14 +28,16 @@ from grpo_cli.logs import read_metrics
 from helpers import GRPO_TRAIN, grpo_train
 
 
-def assert_learns(run_dir, result, name: str) -> None:
-    """Greedy eval accuracy: the mean of steps 500-700 at least 0.45 and 0.25 above step 0."""
+def assert_learns(run_dir, result, name: str, last_step: int = 700) -> None:
+    """Greedy eval accuracy: the mean of the last three evals (steps 500-700 of the default's
+    700) at least 0.45 and 0.25 above step 0."""
     rows = read_metrics(run_dir)
     evals = {row["step"]: row["eval/accuracy"] for row in rows if "eval/accuracy" in row}
-    assert set(range(0, 701, 100)) <= set(evals)  # the tiny preset evaluates every 100 steps
-    before, after = evals[0], sum(evals[step] for step in (500, 600, 700)) / 3
+    assert set(range(0, last_step + 1, 100)) <= set(evals)  # the tiny preset evaluates every 100 steps
+    last_three = (last_step - 200, last_step - 100, last_step)
+    before, after = evals[0], sum(evals[step] for step in last_three) / 3
     print(
-        f"{name}: greedy eval accuracy {before:.3f} -> {after:.3f} (steps 500-700; "
+        f"{name}: greedy eval accuracy {before:.3f} -> {after:.3f} (steps {last_three[0]}-{last_step}; "
         f"every 100 steps: {', '.join(f'{evals[step]:.3f}' for step in sorted(evals))})"
     )
     assert after >= 0.45 and after >= before + 0.25, result.stdout[-2000:]
@@ -40,7 +45,9 @@ def assert_learns(run_dir, result, name: str) -> None:
 
 
 # GSPO and CISPO at mu = 2: at one pass per rollout their ratio is 1 and their gradient is GRPO's
-# (tests/test_objectives.py), so only a second pass over the same batch tells them apart.
+# (tests/test_objectives.py), so only a second pass over the same batch tells them apart. Each
+# run stops at ALGORITHM_STEPS (the module docstring says why).
+ALGORITHM_STEPS = 500
 ALGORITHMS = {
     "rloo": "algorithm=rloo",
     "dr_grpo": "algorithm=dr_grpo",
@@ -60,7 +67,7 @@ def start_algorithm_runs(tmp_path_factory) -> dict:
         folder = tmp_path_factory.mktemp(name)
         output = (folder / "stdout.txt").open("w"), (folder / "stderr.txt").open("w")
         process = subprocess.Popen(
-            [GRPO_TRAIN, *override.split(), f"hydra.run.dir={folder / 'run'}"],
+            [GRPO_TRAIN, *override.split(), f"trainer.steps={ALGORITHM_STEPS}", f"hydra.run.dir={folder / 'run'}"],
             stdout=output[0],
             stderr=output[1],
             text=True,
@@ -93,7 +100,7 @@ def test_each_algorithm_raises_greedy_eval_accuracy(tmp_path_factory, tiny_model
     for name, (run_dir, result) in start_algorithm_runs(tmp_path_factory).items():
         try:
             assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
-            assert_learns(run_dir, result, ALGORITHMS[name])
+            assert_learns(run_dir, result, ALGORITHMS[name], last_step=ALGORITHM_STEPS)
         except AssertionError as error:
             failures.append(f"{ALGORITHMS[name]}: {error}")
     assert not failures, "\n\n".join(failures)
