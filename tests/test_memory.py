@@ -469,7 +469,7 @@ def planned_and_measured(model_dir, shape: list[str], *cases: str) -> list[tuple
     # machine, so the rise does not depend on how many cores this one has. Not two: beside the
     # other xdist worker, two OpenMP threads on two cores wait at every barrier for the core the
     # other worker holds (in CI 145 and 225 s for the two checks below, 25 and 68 s on one thread
-    # idle; the ratios moved by at most 0.01: tiny 1.01 and 1.13, SmolLM2 1.13).
+    # idle). Plan / rise on one thread (AVX2 EPYC): tiny 1.01 and 1.13, SmolLM2 1.13 (1.14 on two).
     env = {
         **os.environ,
         "HF_HUB_OFFLINE": "1",
